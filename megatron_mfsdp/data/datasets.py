@@ -1,0 +1,393 @@
+"""GPT train/valid/test datasets on megatron-core, plus DP-invariant micro-batch slicing.
+
+* Tokenizers are megatron-core's own (``megatron.core.tokenizers.MegatronTokenizer``) built from
+  an in-memory metadata dict, so no ``metadata.json`` file is needed next to the model:
+  ``SentencePieceTokenizer`` (a ``.model`` file) or ``NullTokenizer`` (ids only, vocab size given;
+  its EOD id is ``vocab_size`` and its reported ``vocab_size`` is ``vocab_size + 1``).
+  The returned object has what ``GPTDatasetConfig``/``GPTDataset``/``MockGPTDataset`` read:
+  ``vocab_size``, ``eod``, ``pad`` (raises for Null, megatron then falls back to -1),
+  ``unique_identifiers`` (hashed into the index-cache file names), plus ``tokenize``/``detokenize``.
+* Datasets come from ``BlendedMegatronDatasetBuilder`` with ``GPTDatasetConfig`` and
+  ``GPTDataset`` (or ``MockGPTDataset`` when no data prefix is given / ``mock=True``).
+  Works with ``torch.distributed`` uninitialized, and when initialized (e.g. gloo): every rank
+  builds its datasets (``is_built_on_rank`` is True everywhere by default) and megatron's builder
+  lets global rank 0 build the index cache first, then barriers, then the other ranks load it.
+* ``get_microbatch`` implements the Megatron pretraining-sampler convention: the global batch of
+  iteration ``i`` is samples ``[i*G, (i+1)*G)`` whatever the DP size; rank ``r`` at micro-batch
+  ``k`` takes ``[i*G + k*mbs*dp + r*mbs, ... + mbs)``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+
+import numpy
+import torch
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "build_tokenizer",
+    "padded_vocab_size",
+    "build_gpt_dataset_config",
+    "build_train_valid_test_datasets",
+    "train_valid_test_num_samples",
+    "num_microbatches",
+    "global_batch_indices",
+    "microbatch_indices",
+    "collate_samples",
+    "get_microbatch",
+    "iter_microbatches",
+]
+
+DataPrefix = Union[str, os.PathLike, Sequence[Union[str, os.PathLike]]]
+
+
+# --------------------------------------------------------------------------------------------
+# Tokenizers
+# --------------------------------------------------------------------------------------------
+
+
+def build_tokenizer(
+    tokenizer_type: str = "SentencePieceTokenizer",
+    tokenizer_model: Optional[Union[str, os.PathLike]] = None,
+    vocab_size: Optional[int] = None,
+):
+    """Return a megatron-core tokenizer usable as ``GPTDatasetConfig.tokenizer``.
+
+    Args:
+        tokenizer_type: ``"SentencePieceTokenizer"`` or ``"NullTokenizer"``.
+        tokenizer_model: path to a SentencePiece ``.model`` (SentencePieceTokenizer only).
+        vocab_size: number of regular ids (NullTokenizer only); EOD is ``vocab_size``.
+    """
+    from megatron.core.tokenizers import MegatronTokenizer
+
+    if tokenizer_type in ("SentencePieceTokenizer", "sentencepiece"):
+        if tokenizer_model is None:
+            raise ValueError("--tokenizer-model is required for the SentencePieceTokenizer")
+        path = os.path.abspath(os.fspath(tokenizer_model))
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"--tokenizer-model: no such file: {path}")
+        return MegatronTokenizer.from_pretrained(
+            tokenizer_path=path, metadata_path={"library": "sentencepiece", "model_type": "gpt"}
+        )
+    if tokenizer_type in ("NullTokenizer", "null"):
+        if vocab_size is None or int(vocab_size) < 1:
+            raise ValueError("--vocab-size (>= 1) is required for the NullTokenizer")
+        return MegatronTokenizer.from_pretrained(
+            tokenizer_path=None,
+            metadata_path={"library": "null", "model_type": "gpt"},
+            vocab_size=int(vocab_size),
+        )
+    raise ValueError(
+        f"--tokenizer-type: unsupported {tokenizer_type!r} "
+        "(choose SentencePieceTokenizer or NullTokenizer)"
+    )
+
+
+def padded_vocab_size(
+    vocab_size: int, make_vocab_size_divisible_by: int = 128, tensor_model_parallel_size: int = 1
+) -> int:
+    """Megatron-LM's embedding-size padding: round up to a multiple of divisor * TP."""
+    multiple = make_vocab_size_divisible_by * tensor_model_parallel_size
+    return int(math.ceil(vocab_size / multiple) * multiple)
+
+
+# --------------------------------------------------------------------------------------------
+# Datasets
+# --------------------------------------------------------------------------------------------
+
+
+def _normalize_prefixes(data_prefix: Optional[DataPrefix]) -> Optional[List[str]]:
+    if data_prefix is None:
+        return None
+    if isinstance(data_prefix, (str, os.PathLike)):
+        data_prefix = [data_prefix]
+    prefixes = [os.path.abspath(os.fspath(p)) for p in data_prefix]
+    for p in prefixes:
+        for ext in (".bin", ".idx"):
+            if not os.path.isfile(p + ext):
+                raise FileNotFoundError(f"data prefix {p}: missing {p + ext}")
+    return prefixes
+
+
+def train_valid_test_num_samples(
+    train_iters: int, global_batch_size: int, eval_interval: int, eval_iters: int
+) -> List[int]:
+    """Megatron-LM's sample counts: [train, valid, test]."""
+    eval_runs = (train_iters // eval_interval + 1) if eval_interval > 0 else 1
+    return [
+        train_iters * global_batch_size,
+        eval_runs * eval_iters * global_batch_size,
+        eval_iters * global_batch_size,
+    ]
+
+
+def build_gpt_dataset_config(
+    tokenizer,
+    seq_length: int,
+    data_prefix: Optional[DataPrefix] = None,
+    split: str = "969,30,1",
+    seed: int = 1234,
+    data_cache_path: Optional[Union[str, os.PathLike]] = None,
+    weights: Optional[Sequence[float]] = None,
+    reset_position_ids: bool = False,
+    reset_attention_mask: bool = False,
+    eod_mask_loss: bool = False,
+    create_attention_mask: bool = True,
+    mmap_bin_files: bool = True,
+    num_dataset_builder_threads: int = 1,
+):
+    """A ``GPTDatasetConfig``; mock mode (``config.mock``) when ``data_prefix`` is None.
+
+    Splits that would receive zero tokens from a data prefix (e.g. the "1" of "969,30,1" over a
+    corpus of a few hundred documents) are dropped from ``split_matrix`` (that split's dataset is
+    None): megatron-core 0.16's ``GPTDataset`` would otherwise loop forever in
+    ``_get_num_epochs`` when asked for samples from an empty split.
+    """
+    from megatron.core.datasets.gpt_dataset import GPTDatasetConfig
+
+    prefixes = _normalize_prefixes(data_prefix)
+    blend = None
+    if prefixes is not None:
+        if weights is not None and len(weights) != len(prefixes):
+            raise ValueError("weights and data prefixes must be equal in number")
+        blend = (prefixes, list(weights) if weights is not None else None)
+    config = GPTDatasetConfig(
+        random_seed=seed,
+        sequence_length=seq_length,
+        blend=blend,
+        split=split if blend is not None else None,
+        path_to_cache=os.fspath(data_cache_path) if data_cache_path is not None else None,
+        tokenizer=tokenizer,
+        reset_position_ids=reset_position_ids,
+        reset_attention_mask=reset_attention_mask,
+        eod_mask_loss=eod_mask_loss,
+        create_attention_mask=create_attention_mask,
+        mmap_bin_files=mmap_bin_files,
+        num_dataset_builder_threads=num_dataset_builder_threads,
+    )
+    if prefixes is not None:
+        _drop_empty_splits(config, prefixes)
+    return config
+
+
+def _split_token_counts(prefix: str, split_matrix) -> List[Optional[int]]:
+    """Tokens per split of one indexed dataset, with the builder's own rounding."""
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    # Copy the lengths while the IndexedDataset is alive: its __del__ closes the .idx mmap, and
+    # a numpy view into it outliving the object segfaults on access.
+    low_level = IndexedDataset(prefix, multimodal=False, mmap=True)
+    lengths = numpy.array(low_level.sequence_lengths, dtype=numpy.int64, copy=True)
+    del low_level
+    n = lengths.shape[0]
+    counts: List[Optional[int]] = []
+    for bookends in split_matrix:
+        if bookends is None:
+            counts.append(None)
+            continue
+        beg = int(round(bookends[0] * float(n)))
+        end = int(round(bookends[1] * float(n)))
+        counts.append(int(numpy.sum(lengths[beg:end], dtype=numpy.int64)))
+    return counts
+
+
+def _drop_empty_splits(config, prefixes: List[str]) -> None:
+    from megatron.core.datasets.utils import Split
+
+    per_prefix = [_split_token_counts(p, config.split_matrix) for p in prefixes]
+    for split in Split:
+        i = split.value
+        if config.split_matrix[i] is None:
+            continue
+        counts = [c[i] for c in per_prefix]
+        if all(c == 0 for c in counts):
+            logger.warning(
+                "split %r gives the %s split no documents; that split is disabled", config.split,
+                split.name,
+            )
+            config.split_matrix[i] = None
+        elif any(c == 0 for c in counts):
+            empty = [p for p, c in zip(prefixes, counts) if c == 0]
+            raise ValueError(
+                f"split {config.split!r}: the {split.name} split of {empty} has no documents "
+                "while other data prefixes do; use a coarser split or more data"
+            )
+
+
+def _default_is_built_on_rank() -> bool:
+    return True
+
+
+def build_train_valid_test_datasets(
+    train_valid_test_num_samples: Sequence[Optional[int]],
+    seq_length: int,
+    tokenizer=None,
+    data_prefix: Optional[DataPrefix] = None,
+    split: str = "969,30,1",
+    seed: int = 1234,
+    mock: bool = False,
+    data_cache_path: Optional[Union[str, os.PathLike]] = None,
+    tokenizer_type: str = "SentencePieceTokenizer",
+    tokenizer_model: Optional[Union[str, os.PathLike]] = None,
+    vocab_size: Optional[int] = None,
+    is_built_on_rank: Optional[Callable[[], bool]] = None,
+    config=None,
+    **config_kwargs,
+):
+    """Build (train, valid, test) datasets with megatron-core's ``BlendedMegatronDatasetBuilder``.
+
+    Args:
+        train_valid_test_num_samples: samples per split (None = one epoch of that split).
+        seq_length: tokens per sample (``tokens``/``labels`` both have this length).
+        tokenizer: a tokenizer from ``build_tokenizer``; built from ``tokenizer_type``/
+            ``tokenizer_model``/``vocab_size`` when None.
+        data_prefix: one prefix or a list (a blend) of ``.bin``/``.idx`` prefixes; None or
+            ``mock=True`` gives ``MockGPTDataset`` (synthetic documents, split forced to 1,1,1).
+        split: e.g. ``"969,30,1"``.
+        data_cache_path: where index caches go (megatron default: ``<prefix dir>/cache``).
+        is_built_on_rank: megatron's hook; default True on every rank (each DP rank reads its
+            own micro-batches). Must be True on global rank 0, which builds the cache first.
+        config: a prebuilt ``GPTDatasetConfig`` (then the other config arguments are ignored).
+        **config_kwargs: forwarded to ``build_gpt_dataset_config`` (reset_position_ids,
+            eod_mask_loss, create_attention_mask, weights, ...).
+
+    Returns:
+        A list ``[train, valid, test]`` of datasets (an entry is None for a disabled split).
+    """
+    from megatron.core.datasets.blended_megatron_dataset_builder import (
+        BlendedMegatronDatasetBuilder,
+    )
+    from megatron.core.datasets.gpt_dataset import GPTDataset, MockGPTDataset
+
+    if config is None:
+        if tokenizer is None:
+            tokenizer = build_tokenizer(tokenizer_type, tokenizer_model, vocab_size)
+        config = build_gpt_dataset_config(
+            tokenizer,
+            seq_length,
+            data_prefix=None if mock else data_prefix,
+            split=split,
+            seed=seed,
+            data_cache_path=data_cache_path,
+            **config_kwargs,
+        )
+    cls = MockGPTDataset if config.mock else GPTDataset
+    sizes = list(train_valid_test_num_samples)
+    if len(sizes) != 3:
+        raise ValueError("train_valid_test_num_samples must have 3 entries")
+    builder = BlendedMegatronDatasetBuilder(
+        cls, sizes, is_built_on_rank or _default_is_built_on_rank, config
+    )
+    return builder.build()
+
+
+# --------------------------------------------------------------------------------------------
+# DP-invariant micro-batches
+# --------------------------------------------------------------------------------------------
+
+
+def num_microbatches(global_batch_size: int, micro_batch_size: int, dp_size: int) -> int:
+    per_step = micro_batch_size * dp_size
+    if micro_batch_size < 1 or dp_size < 1 or global_batch_size % per_step != 0:
+        raise ValueError(
+            f"global batch size {global_batch_size} is not divisible by "
+            f"micro batch size {micro_batch_size} x data-parallel size {dp_size}"
+        )
+    return global_batch_size // per_step
+
+
+def global_batch_indices(iteration: int, global_batch_size: int) -> List[int]:
+    """Sample indices of the global batch of ``iteration``: ``[i*G, (i+1)*G)``."""
+    start = iteration * global_batch_size
+    return list(range(start, start + global_batch_size))
+
+
+def microbatch_indices(
+    iteration: int,
+    microbatch_index: int,
+    dp_rank: int,
+    dp_size: int,
+    micro_batch_size: int,
+    global_batch_size: int,
+) -> List[int]:
+    """Sample indices of one rank's micro-batch (Megatron pretraining-sampler convention)."""
+    m = num_microbatches(global_batch_size, micro_batch_size, dp_size)
+    if not 0 <= microbatch_index < m:
+        raise IndexError(f"micro-batch index {microbatch_index} out of range [0, {m})")
+    if not 0 <= dp_rank < dp_size:
+        raise IndexError(f"dp rank {dp_rank} out of range [0, {dp_size})")
+    if iteration < 0:
+        raise IndexError(f"iteration must be >= 0, got {iteration}")
+    start = (
+        iteration * global_batch_size
+        + microbatch_index * micro_batch_size * dp_size
+        + dp_rank * micro_batch_size
+    )
+    return list(range(start, start + micro_batch_size))
+
+
+def collate_samples(samples: Sequence[Dict[str, torch.Tensor]]) -> Dict[str, Optional[torch.Tensor]]:
+    """Stack GPTDataset samples into a batch dict; ``attention_mask`` is None when the dataset
+    does not create one (``create_attention_mask=False``)."""
+    batch: Dict[str, Optional[torch.Tensor]] = {}
+    for key in ("tokens", "labels", "loss_mask", "position_ids"):
+        batch[key] = torch.stack([s[key] for s in samples])
+    if all("attention_mask" in s and s["attention_mask"] is not None for s in samples):
+        batch["attention_mask"] = torch.stack([s["attention_mask"] for s in samples])
+    else:
+        batch["attention_mask"] = None
+    return batch
+
+
+def get_microbatch(
+    dataset,
+    iteration: int,
+    microbatch_index: int,
+    dp_rank: int,
+    dp_size: int,
+    micro_batch_size: int,
+    global_batch_size: int,
+    wrap: bool = False,
+) -> Dict[str, Optional[torch.Tensor]]:
+    """Collated micro-batch ``microbatch_index`` of iteration ``iteration`` for ``dp_rank``.
+
+    Returns a dict with ``tokens``, ``labels``, ``loss_mask``, ``position_ids`` of shape
+    ``[micro_batch_size, seq]`` (and ``attention_mask`` ``[mbs, 1, seq, seq]`` bool, True =
+    masked out, or None), plus ``indices`` (the dataset sample indices used).
+    ``wrap=True`` takes indices modulo ``len(dataset)``; otherwise running past the end raises.
+    """
+    idx = microbatch_indices(
+        iteration, microbatch_index, dp_rank, dp_size, micro_batch_size, global_batch_size
+    )
+    n = len(dataset)
+    if wrap:
+        idx = [i % n for i in idx]
+    elif idx[-1] >= n:
+        raise IndexError(
+            f"iteration {iteration} needs sample {idx[-1]} but the dataset has {n} samples; "
+            "build it with more samples (train_iters * global_batch_size) or pass wrap=True"
+        )
+    batch = collate_samples([dataset[i] for i in idx])
+    batch["indices"] = torch.tensor(idx, dtype=torch.long)
+    return batch
+
+
+def iter_microbatches(
+    dataset,
+    iteration: int,
+    dp_rank: int,
+    dp_size: int,
+    micro_batch_size: int,
+    global_batch_size: int,
+    wrap: bool = False,
+) -> Iterator[Dict[str, Optional[torch.Tensor]]]:
+    """All micro-batches of one iteration for one DP rank, in order."""
+    for k in range(num_microbatches(global_batch_size, micro_batch_size, dp_size)):
+        yield get_microbatch(
+            dataset, iteration, k, dp_rank, dp_size, micro_batch_size, global_batch_size, wrap
+        )

@@ -1,0 +1,134 @@
+"""GPT model construction on megatron-core's own GPTModel and layer specs.
+
+megatron-core's local ``DotProductAttention`` allocates its score buffer on
+``torch.cuda.current_device()`` and forks the CUDA RNG tracker, so it cannot
+run on a CPU. Everything else in the local spec can; this module swaps only the
+core attention for one built on ``torch.nn.functional.scaled_dot_product_attention``
+and otherwise returns megatron-core's spec unchanged. With Transformer Engine
+on a GPU, the TE spec is used as is.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.utils import divide
+
+try:  # Transformer Engine is optional and GPU only.
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_layer_with_transformer_engine_spec,
+    )
+    import transformer_engine  # noqa: F401
+
+    HAVE_TE = torch.cuda.is_available()
+except Exception:  # pragma: no cover - depends on the machine
+    HAVE_TE = False
+
+
+class SDPAttention(MegatronModule):
+    """Causal core attention on PyTorch SDPA: same inputs and outputs as
+    megatron-core's ``DotProductAttention`` ([s, b, heads, head_dim] in,
+    [s, b, heads*head_dim] out), but device agnostic."""
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        layer_number: int,
+        attn_mask_type: AttnMaskType,
+        attention_type: str,
+        attention_dropout: Optional[float] = None,
+        softmax_scale: Optional[float] = None,
+        cp_comm_type: Optional[str] = None,
+        pg_collection=None,
+    ):
+        super().__init__(config=config)
+        if config.context_parallel_size != 1:
+            raise ValueError("SDPAttention does not support context parallelism")
+        tp_size = pg_collection.tp.size() if pg_collection is not None else _tp_size()
+        self.heads_per_partition = divide(config.num_attention_heads, tp_size)
+        self.groups_per_partition = divide(config.num_query_groups, tp_size)
+        self.head_dim = config.kv_channels
+        self.softmax_scale = softmax_scale or 1.0 / math.sqrt(self.head_dim)
+        self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+        self.attn_mask_type = attn_mask_type
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None,
+                attention_bias=None, packed_seq_params=None):
+        if packed_seq_params is not None or attention_bias is not None:
+            raise NotImplementedError("SDPAttention supports neither packed sequences nor bias")
+        repeat = self.heads_per_partition // self.groups_per_partition
+        if repeat > 1:
+            key = key.repeat_interleave(repeat, dim=2)
+            value = value.repeat_interleave(repeat, dim=2)
+        # [s, b, h, d] -> [b, h, s, d]
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+        context = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, scale=self.softmax_scale,
+            dropout_p=self.dropout_p if self.training else 0.0,
+        )
+        seq, batch = query.shape[0], query.shape[1]
+        return context.permute(2, 0, 1, 3).reshape(seq, batch, self.heads_per_partition * self.head_dim)
+
+
+def _tp_size() -> int:
+    from megatron.core import parallel_state
+
+    return parallel_state.get_tensor_model_parallel_world_size()
+
+
+def gpt_layer_spec(normalization: str = "LayerNorm", use_transformer_engine: Optional[bool] = None) -> ModuleSpec:
+    """megatron-core's GPT layer spec: TE on a GPU when available, else the
+    local spec with SDPA core attention."""
+    if use_transformer_engine is None:
+        use_transformer_engine = HAVE_TE
+    if use_transformer_engine:
+        return get_gpt_layer_with_transformer_engine_spec()
+    spec = get_gpt_layer_local_spec(normalization=normalization)
+    spec.submodules.self_attention.submodules.core_attention = SDPAttention
+    return spec
+
+
+def build_gpt_model(
+    config: TransformerConfig,
+    vocab_size: int,
+    max_sequence_length: int,
+    *,
+    position_embedding_type: str = "learned_absolute",
+    share_embeddings_and_output_weights: bool = True,
+    pre_process: bool = True,
+    post_process: bool = True,
+    use_transformer_engine: Optional[bool] = None,
+) -> GPTModel:
+    """A megatron-core GPTModel for the given config (parallel_state must be initialized)."""
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=gpt_layer_spec(config.normalization, use_transformer_engine),
+        vocab_size=vocab_size,
+        max_sequence_length=max_sequence_length,
+        pre_process=pre_process,
+        post_process=post_process,
+        share_embeddings_and_output_weights=share_embeddings_and_output_weights,
+        position_embedding_type=position_embedding_type,
+    )
+
+
+def tiny_gpt_config(**overrides) -> TransformerConfig:
+    """A few-layer fp32 GPT config that runs in seconds on a CPU (tests, benchmarks)."""
+    kwargs = dict(
+        num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
+        num_query_groups=2, use_cpu_initialization=True, hidden_dropout=0.0,
+        attention_dropout=0.0, bias_activation_fusion=False, bias_dropout_fusion=False,
+        masked_softmax_fusion=False, persist_layer_norm=False, gradient_accumulation_fusion=False,
+        apply_rope_fusion=False,
+    )
+    kwargs.update(overrides)
+    return TransformerConfig(**kwargs)
