@@ -22,12 +22,12 @@ GATHER, REDUCE = 1, 2
 _OP_NAMES = {GATHER: "gather", REDUCE: "reduce"}
 
 
-def check_signature(group, unit_index: int, op: int, numel: int) -> None:
+def check_signature(group, unit_index: int, op: int, numel: int, device=None) -> None:
     """All-gather (unit, op, numel) and raise on any mismatch, so that ranks that
     diverged fail loudly here instead of hanging in (or corrupting) the real collective."""
     world = dist.get_world_size(group)
-    mine = torch.tensor([unit_index, op, numel], dtype=torch.int64)
-    everyone = torch.empty(world * 3, dtype=torch.int64)
+    mine = torch.tensor([unit_index, op, numel], dtype=torch.int64, device=device)
+    everyone = torch.empty(world * 3, dtype=torch.int64, device=device)
     dist.all_gather_into_tensor(everyone, mine, group=group)
     rows = everyone.view(world, 3).tolist()
     if any(row != rows[0] for row in rows):
@@ -70,7 +70,7 @@ def reduce_unit(layout: UnitLayout, full_grad: torch.Tensor, group, rank: int) -
     ):
         send_sizes = [bounds[r + 1] - bounds[r] for r in range(world)]
         mine = hi - lo
-        received = torch.empty(world * mine, dtype=full_grad.dtype)
+        received = torch.empty(world * mine, dtype=full_grad.dtype, device=full_grad.device)
         dist.all_to_all_single(received, region, output_split_sizes=[mine] * world,
                                input_split_sizes=send_sizes, group=group)
         contributions = received.view(world, mine)

@@ -89,13 +89,13 @@ class MatrixFSDPOptimizer(MegatronOptimizer):
                     owned = OwnedPiece(slot.name, piece.param_offset, master[seg].view(shape),
                                        unit.grad_segment[seg].view(shape))
                     if muon:
-                        owned.state["momentum_buffer"] = torch.zeros(shape, dtype=torch.float32)
+                        owned.state["momentum_buffer"] = torch.zeros_like(owned.master)
                         if slot.name.endswith("linear_qkv.weight"):
                             owned.qkv_rows = qkv_rows
                         key = ("muon", 1.0)
                     else:
-                        owned.state["exp_avg"] = torch.zeros(shape, dtype=torch.float32)
-                        owned.state["exp_avg_sq"] = torch.zeros(shape, dtype=torch.float32)
+                        owned.state["exp_avg"] = torch.zeros_like(owned.master)
+                        owned.state["exp_avg_sq"] = torch.zeros_like(owned.master)
                         key = ("adamw", 0.0 if _no_weight_decay(slot.name, slot.shape) else 1.0)
                     groups[key]["params"].append(owned)
         holder = _ShardOptimizerState(list(groups.values()))
@@ -128,7 +128,7 @@ class MatrixFSDPOptimizer(MegatronOptimizer):
     @torch.no_grad()
     def _grad_stats(self) -> Tuple[bool, float, float]:
         """(found non-finite, global grad norm, zero count) with one scalar all-reduce."""
-        local = torch.zeros(3, dtype=torch.float64)
+        local = torch.zeros(3, dtype=torch.float64, device=self.model_chunks[0].device)
         for grad in self._grad_segments():
             if grad.numel():
                 local[0] += (~torch.isfinite(grad)).sum()
@@ -141,7 +141,7 @@ class MatrixFSDPOptimizer(MegatronOptimizer):
     # ---------------------------------------------------- MegatronOptimizer
     def get_loss_scale(self) -> torch.Tensor:
         if self.grad_scaler is None:
-            return torch.tensor([1.0])
+            return torch.tensor([1.0], device=self.model_chunks[0].device)
         return self.grad_scaler.scale
 
     def prepare_grads(self) -> bool:

@@ -33,14 +33,14 @@ from .placement import (
 class _UnitState:
     """Runtime state of one unit on this rank."""
 
-    def __init__(self, unit: ModelUnit, layout: UnitLayout, rank: int, dtype: torch.dtype, grad_dtype):
+    def __init__(self, unit: ModelUnit, layout: UnitLayout, rank: int, dtype: torch.dtype, grad_dtype, device):
         self.unit = unit
         self.layout = layout
         by_name = dict(unit.params)
         self.params = [(slot, by_name[slot.name]) for slot in layout.slots]
         self.pieces = layout.local_pieces(rank)
-        self.param_segment = torch.empty(layout.segment_numel(rank), dtype=dtype)
-        self.grad_segment = torch.zeros(layout.segment_numel(rank), dtype=torch.float32)
+        self.param_segment = torch.empty(layout.segment_numel(rank), dtype=dtype, device=device)
+        self.grad_segment = torch.zeros(layout.segment_numel(rank), dtype=torch.float32, device=device)
         self.grad_dtype = grad_dtype
         self.full: Optional[torch.Tensor] = None
         self.pending = None  # (buffer, works) of a prefetch in flight
@@ -59,7 +59,7 @@ class MatrixFSDP(torch.nn.Module):
     """
 
     def __init__(self, config, ddp_config: MatrixFSDPConfig, module: torch.nn.Module,
-                 dp_group=None, units: Optional[List[ModelUnit]] = None):
+                 dp_group=None, replica_group=None, units: Optional[List[ModelUnit]] = None):
         super().__init__()
         self.config = config
         self.ddp_config = ddp_config
@@ -68,10 +68,14 @@ class MatrixFSDP(torch.nn.Module):
             from megatron.core import parallel_state
 
             dp_group = parallel_state.get_data_parallel_group()
+        # dp_group: the ranks among which owners are planned (the shard group).
+        # replica_group: ranks holding the same segment in other shard groups (hybrid sharding).
         self.dp_group = dp_group
         self.dp_rank = dist.get_rank(dp_group)
         self.dp_size = dist.get_world_size(dp_group)
-        self.gradient_scaling_factor = 1.0 / self.dp_size
+        self.replica_group = replica_group
+        self.replica_size = dist.get_world_size(replica_group) if replica_group is not None else 1
+        self.gradient_scaling_factor = 1.0 / (self.dp_size * self.replica_size)
 
         units = units if units is not None else gpt_model_units(module)
         qkv_rows = qkv_block_rows(config) if ddp_config.muon_split_qkv else None
@@ -82,10 +86,11 @@ class MatrixFSDP(torch.nn.Module):
         if len(dtypes) != 1:
             raise ValueError(f"MatrixFSDP needs one parameter dtype per model chunk, found {dtypes}")
         self.param_dtype = dtypes.pop()
+        self.device = next(p.device for u in units for _, p in u.params)
         self.plan.element_size = torch.empty(0, dtype=self.param_dtype).element_size()
         grad_dtype = torch.float32 if ddp_config.grad_reduce_in_fp32 else self.param_dtype
-        self._empty = torch.empty(0, dtype=self.param_dtype)
-        self.units = [_UnitState(u, layout, self.dp_rank, self.param_dtype, grad_dtype)
+        self._empty = torch.empty(0, dtype=self.param_dtype, device=self.device)
+        self.units = [_UnitState(u, layout, self.dp_rank, self.param_dtype, grad_dtype, self.device)
                       for u, layout in zip(units, self.plan.units)]
         self._shard_initial_weights()
         self._install_hooks()
@@ -117,7 +122,7 @@ class MatrixFSDP(torch.nn.Module):
                 acquire_at.setdefault(site, []).append(state)
                 release_at.setdefault(site, []).append(state)
         for module, states in acquire_at.items():
-            module.register_forward_pre_hook(self._make_pre_forward(states))
+            module.register_forward_pre_hook(self._make_pre_forward(module, states))
         for module, states in release_at.items():
             module.register_forward_hook(self._make_post_forward(states))
         for state in self.units:
@@ -125,12 +130,13 @@ class MatrixFSDP(torch.nn.Module):
                 if p.requires_grad:
                     p.register_post_accumulate_grad_hook(self._make_grad_ready(state))
 
-    def _make_pre_forward(self, states):
+    def _make_pre_forward(self, module, states):
         def hook(module, args):
             for state in states:
                 self._acquire(state)
                 state.forward_refs += 1
-                self._prefetch(state.layout.index + 1)
+                if module is state.unit.modules[0]:  # not at extra sites (a tied output layer)
+                    self._prefetch(state.layout.index + 1)
         return hook
 
     def _make_post_forward(self, states):
@@ -167,8 +173,8 @@ class MatrixFSDP(torch.nn.Module):
     # ------------------------------------------------------- materialization
     def _start_gather(self, state: _UnitState):
         if self.ddp_config.verify_collectives and self.dp_size > 1:
-            check_signature(self.dp_group, state.layout.index, GATHER, state.layout.numel)
-        full = torch.empty(state.layout.numel, dtype=self.param_dtype)
+            check_signature(self.dp_group, state.layout.index, GATHER, state.layout.numel, self.device)
+        full = torch.empty(state.layout.numel, dtype=self.param_dtype, device=self.device)
         works = gather_unit_async(state.layout, state.param_segment, full, self.dp_group, self.dp_rank)
         return full, works
 
@@ -199,14 +205,17 @@ class MatrixFSDP(torch.nn.Module):
     def _reduce_and_release(self, state: _UnitState) -> None:
         layout = state.layout
         if self.ddp_config.verify_collectives and self.dp_size > 1:
-            check_signature(self.dp_group, layout.index, REDUCE, layout.numel)
-        flat = torch.zeros(layout.numel, dtype=state.grad_dtype)
+            check_signature(self.dp_group, layout.index, REDUCE, layout.numel, self.device)
+        flat = torch.zeros(layout.numel, dtype=state.grad_dtype, device=self.device)
         for slot, p in state.params:
             if p.grad is not None:
                 flat[slot.offset: slot.offset + slot.numel].copy_(p.grad.reshape(-1))
                 p.grad = None
         flat.mul_(self.gradient_scaling_factor)
-        state.grad_segment.add_(reduce_unit(layout, flat, self.dp_group, self.dp_rank))
+        summed = reduce_unit(layout, flat, self.dp_group, self.dp_rank)
+        if self.replica_size > 1 and summed.numel():
+            dist.all_reduce(summed, group=self.replica_group)
+        state.grad_segment.add_(summed)
         state.grads_seen = 0
         state.held_for_backward = False
         self._release(state)

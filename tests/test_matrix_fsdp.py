@@ -118,3 +118,41 @@ def test_dp4_matches_single_process_with_clipping_and_memory():
         held = sum(r["bytes"].values())
         assert held <= bound, (held, bound, r["bytes"])
     assert sum(total.values()) > 0
+
+
+def test_dp8_more_ranks_than_matrices_bitwise():
+    """One layer = 4 matrices over 8 ranks: half the ranks own no matrix, some own nothing at all."""
+    model = {"num_layers": 1}
+    results = run_workers(8, _train_worker, 2, 1, {}, model)
+    reference = run_workers(1, _reference_worker, 8, 2, 1, {}, model)[0]
+    assert _compare(results, reference, exact=True) == 0.0
+    owners = {owner for r in results for _, kind, owner, _ in r["pieces"] if kind == "muon"}
+    assert len(owners) == 4
+
+
+def _mismatch_worker(rank, world_size):
+    import torch.distributed as dist
+
+    from megatron_mfsdp.collectives import GATHER, check_signature
+    from megatron_mfsdp.config import MatrixFSDPConfig
+    from megatron_mfsdp.runtime import MatrixFSDP
+
+    init_megatron()
+    config, model = tiny_gpt()
+    rules = [("*linear_proj.weight", "adamw")] if rank == 1 else []
+    errors = {}
+    try:
+        MatrixFSDP(config, MatrixFSDPConfig(param_rules=rules), model)
+    except RuntimeError as e:
+        errors["plan"] = str(e)
+    try:
+        check_signature(dist.group.WORLD, unit_index=rank, op=GATHER, numel=10)
+    except RuntimeError as e:
+        errors["collective"] = str(e)
+    return errors
+
+
+def test_ranks_with_different_plans_or_collectives_raise_instead_of_hanging():
+    for errors in run_workers(2, _mismatch_worker):
+        assert "different placement plans" in errors["plan"]
+        assert "collective mismatch" in errors["collective"] and "gather unit 1" in errors["collective"]

@@ -236,8 +236,13 @@ def train_sentencepiece(
     )
     data = model_bytes.getvalue()
     sp = spm.SentencePieceProcessor(model_proto=data)
+    # informational .vocab ("piece<TAB>score" per line; newline/tab inside pieces escaped)
     vocab_lines = "".join(
-        f"{sp.id_to_piece(i)}\t{sp.get_score(i):g}\n" for i in range(sp.get_piece_size())
+        "{}\t{:g}\n".format(
+            sp.id_to_piece(i).replace("\\", "\\\\").replace("\n", "\\n").replace("\t", "\\t"),
+            sp.get_score(i),
+        )
+        for i in range(sp.get_piece_size())
     )
     model = prefix.with_name(prefix.name + ".model")
     _atomic_write_bytes(prefix.with_name(prefix.name + ".vocab"), vocab_lines.encode("utf-8"))

@@ -1,0 +1,1 @@
+"""Megatron-style GPT pretraining on MatrixFSDP: arguments, model/data providers, the loop."""

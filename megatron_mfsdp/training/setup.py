@@ -1,0 +1,83 @@
+"""From parsed flags to megatron-core objects: configs, the model, the wrapper,
+the optimizer and the learning-rate scheduler."""
+
+from __future__ import annotations
+
+import torch
+
+from ..config import MatrixFSDPConfig, MatrixFSDPOptimizerConfig
+
+
+def optimizer_config(args) -> MatrixFSDPOptimizerConfig:
+    """megatron-core OptimizerConfig fields from the same-named flags, plus ours."""
+    return MatrixFSDPOptimizerConfig(
+        optimizer=args.optimizer, lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
+        clip_grad=args.clip_grad, adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2,
+        adam_eps=args.adam_eps, bf16=args.bf16, fp16=args.fp16, loss_scale=args.loss_scale,
+        initial_loss_scale=args.initial_loss_scale, muon_momentum=args.muon_momentum,
+        muon_use_nesterov=args.muon_nesterov, muon_num_ns_steps=args.muon_ns_steps,
+        muon_coefficients=args.muon_coefficients, muon_ns_dtype=args.muon_ns_dtype,
+        muon_scale_mode=args.muon_scale_mode, muon_extra_scale_factor=args.muon_extra_scale_factor,
+        muon_split_qkv=args.muon_split_qkv,
+    )
+
+
+def transformer_config(args):
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
+    return TransformerConfig(
+        num_layers=args.num_layers, hidden_size=args.hidden_size, ffn_hidden_size=args.ffn_hidden_size,
+        num_attention_heads=args.num_attention_heads, num_query_groups=args.num_query_groups,
+        hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
+        normalization=args.normalization, gated_linear_unit=args.swiglu,
+        activation_func=torch.nn.functional.silu if args.swiglu else torch.nn.functional.gelu,
+        init_method_std=args.init_method_std, use_cpu_initialization=args.use_cpu_initialization
+        or not torch.cuda.is_available(),
+        params_dtype=dtype, bf16=args.bf16, fp16=args.fp16,
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
+        persist_layer_norm=False, gradient_accumulation_fusion=False, apply_rope_fusion=False,
+        deterministic_mode=args.deterministic_mode,
+    )
+
+
+def build_model_and_optimizer(args, vocab_size: int):
+    """The GPT model wrapped in MatrixFSDP, its optimizer and lr scheduler.
+
+    Without --use-matrix-fsdp the same wrapper runs as plain data parallelism
+    (shard groups of one rank, replicated over all DP ranks): every rank holds
+    and updates everything, with the same optimizer math, the baseline to compare with.
+    """
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    from ..model import build_gpt_model
+    from ..optimizer import get_megatron_optimizer
+    from ..parallel import data_parallel_groups
+    from ..runtime import MatrixFSDP
+
+    config = transformer_config(args)
+    torch.manual_seed(args.seed)  # identical initial weights on every rank
+    model = build_gpt_model(
+        config, vocab_size=vocab_size, max_sequence_length=args.max_position_embeddings,
+        position_embedding_type=args.position_embedding_type,
+        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+    )
+    if torch.cuda.is_available():
+        model.cuda(torch.cuda.current_device())
+    replicate = 1 if args.use_matrix_fsdp else args.data_parallel_size
+    shard_group, replica_group = data_parallel_groups(replicate)
+    ddp_config = MatrixFSDPConfig(param_rules=args.param_rules, planner=args.mfsdp_planner,
+                                  muon_split_qkv=args.muon_split_qkv,
+                                  verify_collectives=args.mfsdp_verify_collectives)
+    wrapped = MatrixFSDP(config, ddp_config, model, dp_group=shard_group, replica_group=replica_group)
+    optimizer = get_megatron_optimizer(optimizer_config(args), [wrapped])
+    gbs = args.global_batch_size
+    scheduler = OptimizerParamScheduler(
+        optimizer, init_lr=0.0, max_lr=args.lr, min_lr=args.min_lr,
+        lr_warmup_steps=args.lr_warmup_iters * gbs, lr_decay_steps=args.lr_decay_iters * gbs,
+        lr_decay_style=args.lr_decay_style, start_wd=args.weight_decay, end_wd=args.weight_decay,
+        wd_incr_steps=args.train_iters * gbs, wd_incr_style="constant",
+    )
+    return config, wrapped, optimizer, scheduler

@@ -1,0 +1,123 @@
+"""Planner and placement rules: determinism, balance on a GPT, layout coverage, bad input."""
+
+import pytest
+import torch
+
+from megatron_mfsdp.placement import (ADAMW, MUON, ParamSpec, UnitSpec, balance, classify_parameter,
+                                      gpt_model_units, plan_units, qkv_block_rows, unit_specs)
+from tests.harness import init_megatron, run_workers
+
+
+def _gpt_specs_worker(rank, world_size, layers, hidden, ffn, heads, groups, vocab):
+    """Unit specs of a megatron GPTModel built on the meta device (no memory)."""
+    from megatron_mfsdp.model import build_gpt_model, tiny_gpt_config
+
+    init_megatron()
+    cfg = tiny_gpt_config(num_layers=layers, hidden_size=hidden, ffn_hidden_size=ffn,
+                          num_attention_heads=heads, num_query_groups=groups, perform_initialization=False)
+    with torch.device("meta"):
+        model = build_gpt_model(cfg, vocab_size=vocab, max_sequence_length=2048)
+    return unit_specs(gpt_model_units(model), qkv_rows=qkv_block_rows(cfg))
+
+
+@pytest.fixture(scope="module")
+def gpt_24x2048_specs():
+    return run_workers(1, _gpt_specs_worker, 24, 2048, 8192, 16, 16, 50304)[0]
+
+
+def _check_layout_covers_every_element_once(plan):
+    for unit in plan.units:
+        covered = torch.zeros(unit.numel, dtype=torch.int32)
+        for r in range(plan.world_size):
+            for piece in unit.local_pieces(r):
+                start = piece.slot.offset + piece.param_offset
+                covered[start: start + piece.numel] += 1
+                if piece.slot.kind == MUON:
+                    assert piece.slot.owner == r and piece.numel == piece.slot.numel  # whole, on its owner
+        assert torch.all(covered == 1), unit.name
+        # Segments: matrix parts are contiguous in rank order, tail split within one element.
+        sizes = [unit.tail_bounds[r + 1] - unit.tail_bounds[r] for r in range(plan.world_size)]
+        assert max(sizes) - min(sizes) <= 1
+
+
+def test_default_rules_classify_megatron_gpt_names():
+    assert classify_parameter("decoder.layers.0.self_attention.linear_qkv.weight", (96, 32)) == MUON
+    assert classify_parameter("decoder.layers.3.mlp.linear_fc2.weight", (32, 64)) == MUON
+    assert classify_parameter("decoder.layers.0.mlp.linear_fc1.bias", (64,)) == ADAMW
+    assert classify_parameter("decoder.layers.0.input_layernorm.weight", (32,)) == ADAMW
+    assert classify_parameter("embedding.word_embeddings.weight", (100, 32)) == ADAMW
+    assert classify_parameter("output_layer.weight", (100, 32)) == ADAMW
+    # A user rule overrides the built-in one.
+    assert classify_parameter("output_layer.weight", (100, 32), [("output_layer.weight", MUON)]) == MUON
+
+
+def test_parameter_that_fits_no_rule_is_named():
+    with pytest.raises(ValueError, match=r"'decoder.layers.0.router.gate' .*fits no placement rule.*--mfsdp-param-rule"):
+        classify_parameter("decoder.layers.0.router.gate", (8, 32))
+
+
+def test_muon_rule_on_a_vector_is_rejected():
+    with pytest.raises(ValueError, match="Muon needs a 2D matrix"):
+        classify_parameter("decoder.final_layernorm.weight", (32,), [("*final_layernorm*", MUON)])
+
+
+def test_unknown_planner_policy_is_rejected():
+    from megatron_mfsdp.config import MatrixFSDPConfig
+
+    with pytest.raises(ValueError, match="--mfsdp-planner"):
+        MatrixFSDPConfig(planner="random")
+    with pytest.raises(ValueError, match="--mfsdp-planner"):
+        plan_units([], 2, "random")
+
+
+@pytest.mark.parametrize("field,value,flag", [("muon_scale_mode", "frobenius", "--muon-scale-mode"),
+                                              ("muon_coefficients", "cubic", "--muon-coefficients"),
+                                              ("muon_ns_dtype", "fp8", "--muon-ns-dtype"),
+                                              ("optimizer", "sgd", "--optimizer")])
+def test_bad_optimizer_settings_name_their_flag(field, value, flag):
+    from tests.harness import optimizer_config
+
+    with pytest.raises(ValueError, match=flag):
+        optimizer_config(**{field: value})
+
+
+def test_plan_is_deterministic_and_digest_sensitive(gpt_24x2048_specs):
+    a = plan_units(gpt_24x2048_specs, 8, "greedy")
+    b = plan_units(gpt_24x2048_specs, 8, "greedy")
+    assert a.digest() == b.digest()
+    assert plan_units(gpt_24x2048_specs, 4, "greedy").digest() != a.digest()
+
+
+@pytest.mark.parametrize("world_size,max_balance", [(8, 1.05), (64, 1.40)])
+def test_gpt_24_layers_hidden_2048_balance(gpt_24x2048_specs, world_size, max_balance):
+    plan = plan_units(gpt_24x2048_specs, world_size, "auto")
+    elements, costs = plan.per_rank_load()
+    print(f"\nW={world_size} policy={plan.policy}: bytes max/mean {balance(elements):.3f}, "
+          f"NS flops max/mean {balance(costs):.3f}")
+    assert balance(elements) <= max_balance and balance(costs) <= max_balance
+    _check_layout_covers_every_element_once(plan)
+    # 'auto' is never worse than either policy it chooses from.
+    for policy in ("greedy", "global"):
+        other = plan_units(gpt_24x2048_specs, world_size, policy)
+        assert max(map(balance, plan.per_rank_load())) <= max(map(balance, other.per_rank_load()))
+
+
+def test_more_ranks_than_matrices_leaves_empty_segments():
+    unit = UnitSpec("layer1", [ParamSpec("a.linear_fc1.weight", (8, 4), MUON, 128),
+                               ParamSpec("a.linear_fc2.weight", (4, 8), MUON, 128),
+                               ParamSpec("a.bias", (3,), ADAMW)])
+    plan = plan_units([unit], 5, "greedy")
+    layout = plan.units[0]
+    owners = {s.owner for s in layout.slots if s.kind == MUON}
+    assert len(owners) == 2
+    empty = [r for r in range(5) if layout.segment_numel(r) == 0]
+    # Ranks 0 and 1 take the two matrices, ranks 0-2 one tail element each: 3 and 4 hold nothing.
+    assert owners == {0, 1} and empty == [3, 4]
+    _check_layout_covers_every_element_once(plan)
+
+
+def test_world_size_one_owns_everything():
+    unit = UnitSpec("u", [ParamSpec("w.linear_proj.weight", (4, 4), MUON, 64), ParamSpec("b.bias", (4,), ADAMW)])
+    plan = plan_units([unit], 1)
+    assert plan.units[0].segment_numel(0) == 20
+    _check_layout_covers_every_element_once(plan)
