@@ -5,7 +5,7 @@ same reduced gradients and the same hyperparameters go through three optimizers:
 
 ours        MatrixFSDP + MatrixFSDPOptimizer: every Muon matrix lives whole on
             one owner rank, which runs Muon on it locally; the only collective
-            is one all-reduce of 3 scalars (grad stats).
+            is one all-reduce of 2 scalars (grad stats).
 recon       the reconstruction baseline (FSDP2-style ZeRO-3 Muon): every matrix
             is stored as even flat shards (numel/W per rank, padded to a multiple
             of W); per step and per matrix the rank updates its momentum shard,

@@ -3,9 +3,9 @@ owner-sharded segments of :class:`~megatron_mfsdp.runtime.MatrixFSDP` chunks.
 
 Every rank already holds, after the backward pass, the reduced gradient of
 exactly what it owns: whole Muon matrices and an even slice of the AdamW tail.
-So the step is local. The only collective is one all-reduce of three scalars
-(non-finite count, squared grad norm, zero count) that loss scaling and global
-grad-norm clipping need; no tensor data moves.
+So the step is local. The only collective is one all-reduce of two scalars
+(squared grad norm, zero count) that loss scaling's inf/nan check, global
+grad-norm clipping and logging need; no tensor data moves.
 """
 
 from __future__ import annotations
@@ -126,17 +126,23 @@ class MatrixFSDPOptimizer(MegatronOptimizer):
                 yield unit.grad_segment
 
     @torch.no_grad()
-    def _grad_stats(self) -> Tuple[bool, float, float]:
-        """(found non-finite, global grad norm, zero count) with one scalar all-reduce."""
-        local = torch.zeros(3, dtype=torch.float64, device=self.model_chunks[0].device)
+    def _grad_stats(self) -> Tuple[bool, float, Optional[float]]:
+        """(found inf/nan, global grad norm, zero count or None) with one scalar all-reduce.
+
+        Squares of fp32 values cannot overflow in fp64, so a non-finite sum of squares
+        means a non-finite gradient: no separate isfinite pass. Zeros are counted only
+        when megatron's ``log_num_zeros_in_grad`` asks for them."""
+        count_zeros = self.config.log_num_zeros_in_grad
+        local = torch.zeros(2, dtype=torch.float64, device=self.model_chunks[0].device)
         for grad in self._grad_segments():
             if grad.numel():
-                local[0] += (~torch.isfinite(grad)).sum()
-                local[1] += grad.double().square().sum()
-                local[2] += (grad == 0).sum()
+                local[0] += torch.linalg.vector_norm(grad, dtype=torch.float64).square()
+                if count_zeros:
+                    local[1] += grad.numel() - torch.count_nonzero(grad)
         if dist.get_world_size(self.grad_stats_parallel_group) > 1:
             dist.all_reduce(local, group=self.grad_stats_parallel_group)
-        return bool(local[0] > 0), math.sqrt(local[1].item()), local[2].item()
+        sumsq = local[0].item()
+        return not math.isfinite(sumsq), math.sqrt(sumsq), local[1].item() if count_zeros else None
 
     # ---------------------------------------------------- MegatronOptimizer
     def get_loss_scale(self) -> torch.Tensor:
@@ -154,10 +160,11 @@ class MatrixFSDPOptimizer(MegatronOptimizer):
         return found_inf
 
     def get_grad_norm(self):
-        return self._grad_stats()[1]
+        """The norm computed by the last ``prepare_grads`` (no second all-reduce)."""
+        return self._last_norm
 
     def count_zeros(self) -> float:
-        return self._grad_stats()[2]
+        return self._last_zeros
 
     @torch.no_grad()
     def step_with_ready_grads(self) -> bool:

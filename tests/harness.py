@@ -15,7 +15,7 @@ import torch.multiprocessing as mp
 VOCAB, SEQ, MBS = 96, 16, 2
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -46,7 +46,7 @@ def run_workers(world_size: int, fn: Callable, *args, timeout: float = 600) -> L
     each rank's result, or raise with the first rank's traceback."""
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory() as out_dir:
-        port = _free_port()
+        port = free_port()
         procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, out_dir))
                  for r in range(world_size)]
         for p in procs:

@@ -3,8 +3,6 @@
 import importlib.util
 import json
 import multiprocessing
-import os
-import sys
 import time
 from pathlib import Path
 
@@ -227,6 +225,28 @@ def test_default_data_is_cached_and_idempotent(default_data):
     assert (cache / ".lock").exists()
 
 
+def _run_processes(targets, timeout=120):
+    """Run ``fn(*args, queue)`` in fresh (spawned) processes, like independent torchrun ranks;
+    return what each put on the queue. Spawn, not fork: forking a process whose OpenMP pool is
+    already running can deadlock the child."""
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=fn, args=(*args, queue)) for fn, args in targets]
+    try:
+        for p in procs:
+            p.start()
+        results = [queue.get(timeout=timeout) for _ in procs]
+        for p in procs:
+            p.join(timeout=60)
+            assert p.exitcode == 0
+        return results
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.terminate()
+                p.join(5)
+
+
 def _prepare_in_child(cache, queue):
     res = corpus_mod.prepare_default_data(cache, max_bytes=100_000, vocab_size=512)
     queue.put(res)
@@ -234,15 +254,7 @@ def _prepare_in_child(cache, queue):
 
 def test_default_data_concurrent_builders(tmp_path):
     """Two processes (like two torchrun ranks) racing on an empty cache get the same result."""
-    ctx = multiprocessing.get_context("fork")
-    queue = ctx.Queue()
-    procs = [ctx.Process(target=_prepare_in_child, args=(tmp_path, queue)) for _ in range(2)]
-    for p in procs:
-        p.start()
-    results = [queue.get(timeout=120) for _ in procs]
-    for p in procs:
-        p.join(timeout=60)
-        assert p.exitcode == 0
+    results = _run_processes([(_prepare_in_child, (tmp_path,)) for _ in range(2)])
     assert results[0] == results[1]
     manifest = json.loads((tmp_path / "manifest.json").read_text())
     assert all((tmp_path / rel).stat().st_size == size for rel, size in manifest["files"].items())
@@ -325,18 +337,10 @@ def _dist_worker(rank, world, init_file, prefix, model, cache_dir, queue):
 
 def test_gpt_dataset_with_gloo(default_data, tmp_path):
     _, result, _ = default_data
-    ctx = multiprocessing.get_context("fork")
-    queue = ctx.Queue()
     cache_dir = tmp_path / "idx"
     args = (str(tmp_path / "init"), result["data_prefix"], result["tokenizer_model"],
             str(cache_dir))
-    procs = [ctx.Process(target=_dist_worker, args=(r, 2, *args, queue)) for r in range(2)]
-    for p in procs:
-        p.start()
-    out = sorted(queue.get(timeout=120) for _ in procs)
-    for p in procs:
-        p.join(timeout=60)
-        assert p.exitcode == 0
+    out = sorted(_run_processes([(_dist_worker, (r, 2, *args)) for r in range(2)]))
     assert out[0][1] == out[1][1]  # same dataset length on both ranks
     assert out[0][2] == [0, 1] and out[1][2] == [2, 3]
     # the same samples as a single process reading the same cache

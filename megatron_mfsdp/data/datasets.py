@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import math
 import os
-from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Union
 
 import numpy
 import torch

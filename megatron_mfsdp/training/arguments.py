@@ -190,6 +190,9 @@ def validate_args(args: argparse.Namespace) -> None:
 def _validate_data_args(args) -> None:
     default_data = not args.data_path and not args.mock_data
     args.use_default_data = default_data
+    if default_data and args.tokenizer_model:
+        raise ValueError("--tokenizer-model given without --data-path or --mock-data: the embedded "
+                         "default data brings its own tokenizer")
     if default_data:
         # The embedded default demonstrates MatrixFSDP + Muon; it is not a baseline run.
         args.use_matrix_fsdp = True
