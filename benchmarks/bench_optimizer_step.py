@@ -18,7 +18,7 @@ replicated  plain data parallelism: every rank holds every full matrix and runs
 All three include the same non-Muon work: AdamW on the tail (embeddings,
 norms, biases; ``ours`` on its even tail slice, ``recon`` on its even shards,
 ``replicated`` on the full tensors) and a global gradient norm (``ours``: its
-grad stats + 3-scalar all-reduce, ``recon``: local sum of squares + a 1-scalar
+grad stats + 2-scalar all-reduce, ``recon``: local sum of squares + a 1-scalar
 all-reduce, ``replicated``: local). clip_grad is 0, no loss scaling.
 
 Gradients come from one real forward/backward of a megatron-core GPT through

@@ -4,7 +4,7 @@
 
     cache_dir/
       .lock                           fcntl.flock'ed while building (torchrun ranks may race)
-      corpus/stdlib.jsonl             {"text": <source file>} per line, sorted by path, capped
+      corpus/stdlib.jsonl             {"text": <source file>} per line, in a fixed hashed order, capped
       tokenizer/spm.model, spm.vocab  SentencePiece BPE model trained on the corpus
       data/stdlib_text_document.bin   megatron-core indexed dataset (uint16 ids, EOD appended)
       data/stdlib_text_document.idx
@@ -17,9 +17,11 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import io
 import json
 import os
+import shutil
 import sys
 import sysconfig
 import time
@@ -36,7 +38,7 @@ __all__ = [
     "prepare_default_data",
 ]
 
-CACHE_VERSION = 1
+CACHE_VERSION = 2
 DEFAULT_MAX_BYTES = 4_000_000
 DEFAULT_MAX_FILE_BYTES = 200_000
 DEFAULT_VOCAB_SIZE = 4096
@@ -78,7 +80,9 @@ def iter_stdlib_sources(
     stdlib_dir: Optional[PathLike] = None,
     max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
 ) -> Iterator[Tuple[str, str]]:
-    """Yield ``(relative_path, text)`` of the stdlib's ``*.py`` files, sorted by relative path,
+    """Yield ``(relative_path, text)`` of the stdlib's ``*.py`` files in the order of a hash of
+    their relative path (deterministic, but spread over the whole library, so the size cap and
+    the train/valid/test split do not all fall in a few alphabetically adjacent packages),
     skipping tests/site-packages, non-UTF-8, empty and larger-than-``max_file_bytes`` files, and
     stopping before the total UTF-8 size would exceed ``max_bytes``."""
     root = Path(stdlib_dir) if stdlib_dir is not None else Path(sysconfig.get_paths()["stdlib"])
@@ -91,7 +95,7 @@ def iter_stdlib_sources(
             if name.endswith(".py"):
                 fp = Path(dirpath) / name
                 files.append((fp.relative_to(root).as_posix(), fp))
-    files.sort()
+    files.sort(key=lambda item: (hashlib.sha1(item[0].encode()).hexdigest(), item[0]))
     total = 0
     for rel, fp in files:
         try:
@@ -149,6 +153,7 @@ def build_default_corpus(
 def _corpus_params(max_bytes, stdlib_dir, max_file_bytes) -> dict:
     root = Path(stdlib_dir) if stdlib_dir is not None else Path(sysconfig.get_paths()["stdlib"])
     return {
+        "version": CACHE_VERSION,
         "max_bytes": int(max_bytes),
         "max_file_bytes": int(max_file_bytes),
         "stdlib_dir": str(root.resolve()),
@@ -328,6 +333,9 @@ def prepare_default_data(
                 return _result_from_manifest(cache, manifest)
         with contextlib.suppress(FileNotFoundError):
             os.remove(cache / MANIFEST_NAME)
+        # megatron-core's GPTDataset index cache is keyed by the dataset config, not by the
+        # data's content: drop it with the data, or a rebuilt corpus reads stale indices.
+        shutil.rmtree(cache / Path(DATA_OUTPUT_PREFIX_REL).parent, ignore_errors=True)
         timings = {}
         t = time.time()
         corpus = build_default_corpus(cache, max_bytes, stdlib_dir, max_file_bytes)

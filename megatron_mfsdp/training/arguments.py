@@ -81,7 +81,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = p.add_argument_group("logging, evaluation and checkpoints")
     g.add_argument("--log-interval", type=int, default=10)
-    g.add_argument("--eval-interval", type=int, default=100)
+    g.add_argument("--eval-interval", type=int, default=50)
     g.add_argument("--eval-iters", type=int, default=10)
     g.add_argument("--tensorboard-dir", default=None)
     g.add_argument("--save", default=None)

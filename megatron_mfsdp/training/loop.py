@@ -180,6 +180,10 @@ def pretrain(args) -> Dict[str, List]:
     skipped = nans = 0
     interval_loss, interval_count, interval_step_ms = 0.0, 0, 0.0
     interval_start = time.perf_counter()
+    if args.eval_interval and start_iteration == 0:
+        valid = evaluate(args, model, valid_ds, 0)
+        history["valid"].append((0, valid))
+        _log_validation(0, valid)
     for iteration in range(start_iteration + 1, args.train_iters + 1):
         loss, success, grad_norm, step_ms = train_step(args, model, optimizer, train_ds, iteration - 1)
         scheduler.step(increment=args.global_batch_size)
