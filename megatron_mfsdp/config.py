@@ -97,5 +97,10 @@ class MatrixFSDPOptimizerConfig(OptimizerConfig):
                 f"choose one of {', '.join(SCALE_MODES)}"
             )
         ns_coefficients_for(self.muon_coefficients, self.muon_num_ns_steps)
+        from .tp_muon import TP_MODES
+
+        if self.muon_tp_mode not in TP_MODES:
+            raise ValueError(f"unknown Muon TP mode {self.muon_tp_mode!r} (--muon-tp-mode); "
+                             f"choose one of {', '.join(TP_MODES)}")
         if self.muon_num_ns_steps < 1:
             raise ValueError(f"--muon-ns-steps must be >= 1, got {self.muon_num_ns_steps}")

@@ -132,3 +132,65 @@ def tiny_gpt_config(**overrides) -> TransformerConfig:
     )
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)
+
+
+def global_parameter_names(model: GPTModel) -> dict:
+    """Local parameter name -> the name it has in the unsplit (1 x 1 x 1) model.
+
+    Pipeline stages number their ``decoder.layers`` from 0; the global index comes
+    from megatron's ``layer_number``. A tied output layer on the last stage is the
+    embedding's weight."""
+    prefixes = {}
+    decoder = getattr(model, "decoder", None)
+    if decoder is not None:
+        for i, layer in enumerate(decoder.layers):
+            prefixes[f"decoder.layers.{i}."] = f"decoder.layers.{layer.layer_number - 1}."
+    names = {}
+    for name, _ in model.named_parameters():
+        global_name = name
+        for local, glob in prefixes.items():
+            if name.startswith(local):
+                global_name = glob + name[len(local):]
+                break
+        if name == "output_layer.weight" and getattr(model, "share_embeddings_and_output_weights", False):
+            global_name = "embedding.word_embeddings.weight"
+        names[name] = global_name
+    return names
+
+
+@torch.no_grad()
+def initialize_by_global_name(model: GPTModel, config: TransformerConfig, seed: int) -> None:
+    """Re-initialize every parameter from a generator seeded by (seed, its global name),
+    as megatron-core's CPU initialization would shape it: the full tensor is drawn, then
+    this tensor-parallel rank's chunk is kept. So any TP x PP x DP layout starts from
+    exactly the weights of the 1 x 1 x 1 model."""
+    import zlib
+
+    from megatron.core import parallel_state
+
+    tp_size = parallel_state.get_tensor_model_parallel_world_size()
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    std = config.init_method_std
+    out_std = std / math.sqrt(2.0 * config.num_layers)
+    names = global_parameter_names(model)
+    for name, param in model.named_parameters():
+        global_name = names[name]
+        split = getattr(param, "tensor_model_parallel", False) and tp_size > 1
+        dim = getattr(param, "partition_dim", 0)
+        stride = getattr(param, "partition_stride", 1)
+        full_shape = list(param.shape)
+        if split:
+            full_shape[dim] *= tp_size
+        generator = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(global_name.encode())) % 2 ** 62)
+        leaf = global_name.rsplit(".", 1)[-1]
+        if leaf in ("bias", "layer_norm_bias"):
+            full = torch.zeros(full_shape)
+        elif "norm" in global_name:
+            full = torch.zeros(full_shape) if config.layernorm_zero_centered_gamma else torch.ones(full_shape)
+        else:
+            scaled = global_name.endswith(("linear_proj.weight", "linear_fc2.weight"))
+            full = torch.empty(full_shape).normal_(0.0, out_std if scaled else std, generator=generator)
+        if split:
+            chunks = torch.split(full, full_shape[dim] // (tp_size * stride), dim=dim)
+            full = torch.cat(chunks[tp_rank::tp_size], dim=dim)
+        param.copy_(full.to(param.dtype))

@@ -5,7 +5,9 @@ Every rank already holds, after the backward pass, the reduced gradient of
 exactly what it owns: whole Muon matrices and an even slice of the AdamW tail.
 So the step is local. The only collective is one all-reduce of two scalars
 (squared grad norm, zero count) that loss scaling's inf/nan check, global
-grad-norm clipping and logging need; no tensor data moves.
+grad-norm clipping and logging need; no tensor data moves. (With tensor
+parallelism and ``muon_tp_mode`` 'duplicated' or 'distributed', owners of a TP
+shard also talk to their TP group: see tp_muon.py.)
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from megatron.core.optimizer import MegatronOptimizer
 
 from .config import MatrixFSDPOptimizerConfig
 from .cpu_compat import cuda_on_cpu
-from .muon import muon_step_
+from .tp_muon import tp_muon_step_
 from .placement import MUON, qkv_block_rows
 from .runtime import MatrixFSDP
 
@@ -38,6 +40,8 @@ class OwnedPiece:
     grad: torch.Tensor  # fp32, a view into the gradient segment
     state: Dict[str, torch.Tensor] = field(default_factory=dict)
     qkv_rows: Optional[Tuple[int, int, int]] = None
+    partition_dim: Optional[int] = None  # TP split dimension, None if not TP-sharded
+    in_grad_norm: bool = True  # False for TP duplicates off TP rank 0, replicas, shared copies
 
     @property
     def key(self) -> str:
@@ -63,9 +67,13 @@ class MatrixFSDPOptimizer(MegatronOptimizer):
     global grad-norm clipping and fp16 loss scaling."""
 
     def __init__(self, config: MatrixFSDPOptimizerConfig, model_chunks: List[MatrixFSDP],
-                 grad_stats_group=None):
+                 grad_stats_group=None, tp_group=None):
         self.model_chunks = model_chunks
-        self.grad_stats_parallel_group = grad_stats_group or model_chunks[0].dp_group
+        # Norms and inf checks span every rank that holds distinct gradient elements
+        # (DP shards, TP, PP); duplicates are excluded per piece below.
+        self.grad_stats_parallel_group = grad_stats_group or dist.group.WORLD
+        self.tp_group = tp_group if tp_group is not None else model_chunks[0].tp_group
+        tp_rank = dist.get_rank(self.tp_group) if self.tp_group is not None else 0
         self.step_count = 0
         groups = {
             kind_wd: {"params": [], "optimizer": kind_wd[0], "wd_mult": kind_wd[1], "lr_mult": 1.0,
@@ -77,7 +85,9 @@ class MatrixFSDPOptimizer(MegatronOptimizer):
         self._masters: List[Tuple[torch.Tensor, torch.Tensor]] = []  # (model segment, fp32 master)
         for chunk in model_chunks:
             qkv_rows = qkv_block_rows(chunk.config) if config.muon_split_qkv else None
+            primary_replica = chunk.replica_group is None or dist.get_rank(chunk.replica_group) == 0
             for unit in chunk.units:
+                params = {slot.name: p for slot, p in unit.params}
                 master = unit.param_segment if unit.param_segment.dtype == torch.float32 \
                     else unit.param_segment.float()
                 self._masters.append((unit.param_segment, master))
@@ -86,8 +96,13 @@ class MatrixFSDPOptimizer(MegatronOptimizer):
                     seg = slice(piece.segment_offset, piece.segment_offset + piece.numel)
                     muon = slot.kind == MUON and config.optimizer == "muon"
                     shape = slot.shape if muon else (piece.numel,)
+                    param = params[slot.name]
+                    tp_split = bool(getattr(param, "tensor_model_parallel", False))
                     owned = OwnedPiece(slot.name, piece.param_offset, master[seg].view(shape),
-                                       unit.grad_segment[seg].view(shape))
+                                       unit.grad_segment[seg].view(shape),
+                                       partition_dim=getattr(param, "partition_dim", 0) if tp_split else None,
+                                       in_grad_norm=primary_replica and (tp_split or tp_rank == 0)
+                                       and not getattr(param, "shared", False))
                     if muon:
                         owned.state["momentum_buffer"] = torch.zeros_like(owned.master)
                         if slot.name.endswith("linear_qkv.weight"):
@@ -134,11 +149,11 @@ class MatrixFSDPOptimizer(MegatronOptimizer):
         when megatron's ``log_num_zeros_in_grad`` asks for them."""
         count_zeros = self.config.log_num_zeros_in_grad
         local = torch.zeros(2, dtype=torch.float64, device=self.model_chunks[0].device)
-        for grad in self._grad_segments():
-            if grad.numel():
-                local[0] += torch.linalg.vector_norm(grad, dtype=torch.float64).square()
+        for _, owned in self._pieces():
+            if owned.in_grad_norm:
+                local[0] += torch.linalg.vector_norm(owned.grad, dtype=torch.float64).square()
                 if count_zeros:
-                    local[1] += grad.numel() - torch.count_nonzero(grad)
+                    local[1] += owned.grad.numel() - torch.count_nonzero(owned.grad)
         if dist.get_world_size(self.grad_stats_parallel_group) > 1:
             dist.all_reduce(local, group=self.grad_stats_parallel_group)
         sumsq = local[0].item()
@@ -176,11 +191,12 @@ class MatrixFSDPOptimizer(MegatronOptimizer):
         for group, owned in self._pieces():
             lr, wd = group["lr"], group["weight_decay"]
             if group["optimizer"] == "muon":
-                muon_step_(owned.master, owned.grad, owned.state["momentum_buffer"], lr=lr, weight_decay=wd,
-                           momentum=cfg.muon_momentum, nesterov=cfg.muon_use_nesterov,
-                           ns_steps=cfg.muon_num_ns_steps, coefficients=cfg.muon_coefficients,
-                           ns_dtype=ns_dtype, scale_mode=cfg.muon_scale_mode,
-                           extra_scale_factor=cfg.muon_extra_scale_factor, qkv_split_shapes=owned.qkv_rows)
+                tp_muon_step_(owned.master, owned.grad, owned.state["momentum_buffer"], mode=cfg.muon_tp_mode,
+                              tp_group=self.tp_group, partition_dim=owned.partition_dim, lr=lr, weight_decay=wd,
+                              momentum=cfg.muon_momentum, nesterov=cfg.muon_use_nesterov,
+                              ns_steps=cfg.muon_num_ns_steps, coefficients=cfg.muon_coefficients,
+                              ns_dtype=ns_dtype, scale_mode=cfg.muon_scale_mode,
+                              extra_scale_factor=cfg.muon_extra_scale_factor, qkv_split_shapes=owned.qkv_rows)
             else:
                 adamw_step_(owned.master, owned.grad, owned.state["exp_avg"], owned.state["exp_avg_sq"],
                             lr=lr, weight_decay=wd, beta1=beta1, beta2=beta2, eps=cfg.adam_eps,
@@ -295,7 +311,7 @@ def adamw_step_(param, grad, exp_avg, exp_avg_sq, *, lr: float, weight_decay: fl
 
 
 def get_megatron_optimizer(config: MatrixFSDPOptimizerConfig, model_chunks: List[MatrixFSDP],
-                           grad_stats_group=None) -> MatrixFSDPOptimizer:
+                           grad_stats_group=None, tp_group=None) -> MatrixFSDPOptimizer:
     """Mirror of megatron-core's ``get_megatron_optimizer(config, model_chunks)`` for
     MatrixFSDP-wrapped chunks."""
     for chunk in model_chunks:
@@ -303,4 +319,4 @@ def get_megatron_optimizer(config: MatrixFSDPOptimizerConfig, model_chunks: List
             raise TypeError(f"model chunk {type(chunk).__name__} is not wrapped in MatrixFSDP")
         if chunk.ddp_config.muon_split_qkv != config.muon_split_qkv:
             raise ValueError("--muon-split-qkv must be the same for the planner and the optimizer")
-    return MatrixFSDPOptimizer(config, model_chunks, grad_stats_group)
+    return MatrixFSDPOptimizer(config, model_chunks, grad_stats_group, tp_group)

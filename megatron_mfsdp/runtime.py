@@ -59,15 +59,19 @@ class MatrixFSDP(torch.nn.Module):
     """
 
     def __init__(self, config, ddp_config: MatrixFSDPConfig, module: torch.nn.Module,
-                 dp_group=None, replica_group=None, units: Optional[List[ModelUnit]] = None):
+                 dp_group=None, replica_group=None, tp_group=None, units: Optional[List[ModelUnit]] = None):
         super().__init__()
         self.config = config
         self.ddp_config = ddp_config
         self.module = module
-        if dp_group is None:
-            from megatron.core import parallel_state
+        from megatron.core import parallel_state
 
+        if dp_group is None:
             dp_group = parallel_state.get_data_parallel_group()
+        if tp_group is None and parallel_state.model_parallel_is_initialized():
+            tp_group = parallel_state.get_tensor_model_parallel_group()
+        self.tp_group = tp_group
+        self.tp_size = dist.get_world_size(tp_group) if tp_group is not None else 1
         # dp_group: the ranks among which owners are planned (the shard group).
         # replica_group: ranks holding the same segment in other shard groups (hybrid sharding).
         self.dp_group = dp_group
@@ -82,6 +86,8 @@ class MatrixFSDP(torch.nn.Module):
         self.plan: Plan = plan_units(unit_specs(units, ddp_config.param_rules, qkv_rows),
                                      self.dp_size, ddp_config.planner)
         verify_plan_agreement(self.plan, dp_group)
+        if self.tp_size > 1:  # a matrix's TP shards must share one DP owner
+            verify_plan_agreement(self.plan, tp_group)
         dtypes = {p.dtype for u in units for _, p in u.params}
         if len(dtypes) != 1:
             raise ValueError(f"MatrixFSDP needs one parameter dtype per model chunk, found {dtypes}")
@@ -206,6 +212,8 @@ class MatrixFSDP(torch.nn.Module):
         layout = state.layout
         if self.ddp_config.verify_collectives and self.dp_size > 1:
             check_signature(self.dp_group, layout.index, REDUCE, layout.numel, self.device)
+        if self.tp_size > 1 and getattr(self.config, "sequence_parallel", False):
+            self._allreduce_sequence_parallel_grads(state)
         flat = torch.zeros(layout.numel, dtype=state.grad_dtype, device=self.device)
         for slot, p in state.params:
             if p.grad is not None:
@@ -219,6 +227,19 @@ class MatrixFSDP(torch.nn.Module):
         state.grads_seen = 0
         state.held_for_backward = False
         self._release(state)
+
+    def _allreduce_sequence_parallel_grads(self, state: _UnitState) -> None:
+        """With sequence parallelism, norms and biases see only this TP rank's part of the
+        sequence: sum their gradients over TP (megatron's finalize_model_grads does the same)."""
+        grads = [p.grad for _, p in state.params
+                 if p.grad is not None and getattr(p, "sequence_parallel", False)]
+        if grads:
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            dist.all_reduce(flat, group=self.tp_group)
+            offset = 0
+            for g in grads:
+                g.copy_(flat[offset: offset + g.numel()].view_as(g))
+                offset += g.numel()
 
     # ------------------------------------------------ megatron DDP interface
     def forward(self, *args, **kwargs):

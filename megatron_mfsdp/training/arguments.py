@@ -61,6 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("parallelism")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--sequence-parallel", action="store_true")
     g.add_argument("--distributed-backend", choices=["nccl", "gloo"], default=None,
                    help="default: nccl with CUDA, else gloo")
     g.add_argument("--deterministic-mode", action="store_true",
@@ -105,7 +106,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--muon-extra-scale-factor", type=float, default=0.2)
     g.add_argument("--muon-split-qkv", dest="muon_split_qkv", action="store_true", default=True)
     g.add_argument("--muon-no-split-qkv", dest="muon_split_qkv", action="store_false")
+    g.add_argument("--muon-tp-mode", default="blockwise",
+                   help="blockwise: Newton-Schulz on each TP shard, no communication (results depend on "
+                        "the TP size); distributed: exact full-matrix Muon, Gram matrices all-reduced over "
+                        "TP each iteration; duplicated: all-gather over TP, orthogonalize, keep the slice")
     g.add_argument("--mfsdp-planner", default="auto", help="greedy | global | auto")
+    g.add_argument("--mfsdp-replicate-size", type=int, default=1,
+                   help="hybrid sharding: owners within groups of DP/R ranks, R replicas across them")
     g.add_argument("--mfsdp-param-rule", action="append", default=[], metavar="PATTERN=muon|adamw",
                    help="override the placement of parameters whose name matches PATTERN (fnmatch)")
     g.add_argument("--mfsdp-no-verify-collectives", dest="mfsdp_verify_collectives", action="store_false",
@@ -129,25 +136,45 @@ def validate_args(args: argparse.Namespace) -> None:
     """Fill defaults that depend on other flags and reject bad combinations."""
     if args.fp16 and args.bf16:
         raise ValueError("--fp16 and --bf16 are mutually exclusive")
-    if args.tensor_model_parallel_size != 1 or args.pipeline_model_parallel_size != 1:
-        raise ValueError("--tensor-model-parallel-size/--pipeline-model-parallel-size > 1: not yet supported "
-                         "with this version of megatron-mfsdp (data parallelism only)")
+    if args.pipeline_model_parallel_size != 1:
+        raise ValueError("--pipeline-model-parallel-size > 1: not yet supported by this version of "
+                         "megatron-mfsdp (data and tensor parallelism only)")
+    if args.sequence_parallel and args.tensor_model_parallel_size == 1:
+        args.sequence_parallel = False  # megatron-LM drops it silently too
+    import torch
+
+    if args.sequence_parallel and not torch.cuda.is_available():
+        raise ValueError("--sequence-parallel needs Transformer Engine or Apex norms (a GPU): megatron-core's "
+                         "torch LayerNorm fallback rejects sequence parallelism")
     model_parallel = args.tensor_model_parallel_size * args.pipeline_model_parallel_size
     if args.world_size % model_parallel:
         raise ValueError(f"world size {args.world_size} is not divisible by --tensor-model-parallel-size x "
                          f"--pipeline-model-parallel-size = {model_parallel}")
     args.data_parallel_size = args.world_size // model_parallel
+    if args.data_parallel_size % args.mfsdp_replicate_size:
+        raise ValueError(f"--mfsdp-replicate-size {args.mfsdp_replicate_size} does not divide the "
+                         f"data-parallel size {args.data_parallel_size}")
     if args.num_attention_heads % args.tensor_model_parallel_size:
         raise ValueError(f"--num-attention-heads {args.num_attention_heads} is not divisible by "
                          f"--tensor-model-parallel-size {args.tensor_model_parallel_size}")
     if args.hidden_size % args.num_attention_heads:
         raise ValueError(f"--hidden-size {args.hidden_size} is not divisible by --num-attention-heads "
                          f"{args.num_attention_heads}")
+    tp = args.tensor_model_parallel_size
+    if args.ffn_hidden_size and args.ffn_hidden_size % tp:
+        raise ValueError(f"--ffn-hidden-size {args.ffn_hidden_size} is not divisible by "
+                         f"--tensor-model-parallel-size {tp}")
+    if args.make_vocab_size_divisible_by % tp:
+        raise ValueError(f"--make-vocab-size-divisible-by {args.make_vocab_size_divisible_by} must be a multiple "
+                         f"of --tensor-model-parallel-size {tp} (the vocabulary is padded the same way at any TP)")
     if not args.group_query_attention:
         args.num_query_groups = args.num_attention_heads
     elif args.num_query_groups is None or args.num_attention_heads % args.num_query_groups:
         raise ValueError(f"--num-query-groups {args.num_query_groups} must divide --num-attention-heads "
                          f"{args.num_attention_heads}")
+    if args.num_query_groups % tp:
+        raise ValueError(f"--num-query-groups {args.num_query_groups} is not divisible by "
+                         f"--tensor-model-parallel-size {tp}")
     args.ffn_hidden_size = args.ffn_hidden_size or 4 * args.hidden_size
     args.max_position_embeddings = args.max_position_embeddings or args.seq_length
     if args.seq_length > args.max_position_embeddings:

@@ -48,10 +48,11 @@ def prepare_data(args):
         args.data_path = [str(default["data_prefix"])]
         args.tokenizer_model = str(default["tokenizer_model"])
     tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model, args.vocab_size)
-    vocab = padded_vocab_size(tokenizer.vocab_size, args.make_vocab_size_divisible_by,
-                              args.tensor_model_parallel_size)
+    # Padded by --make-vocab-size-divisible-by alone (a multiple of the TP size, checked),
+    # not times the TP size as Megatron-LM does: the same vocabulary at every layout.
+    vocab = padded_vocab_size(tokenizer.vocab_size, args.make_vocab_size_divisible_by, 1)
     gbs = args.global_batch_size
-    evals = args.train_iters // args.eval_interval + 1
+    evals = args.train_iters // args.eval_interval + 1 if args.eval_interval else 1
     num_samples = [args.train_iters * gbs, evals * args.eval_iters * gbs, args.eval_iters * gbs]
     datasets = build_train_valid_test_datasets(
         num_samples, args.seq_length, tokenizer=tokenizer, data_prefix=None if args.mock_data else args.data_path,
@@ -161,8 +162,10 @@ def pretrain(args) -> Dict[str, List]:
     tokenizer, vocab, (train_ds, valid_ds, test_ds) = prepare_data(args)
     config, model, optimizer, scheduler = build_model_and_optimizer(args, vocab)
     _print_rank0(f"> MatrixFSDP: {'owner-sharded ZeRO-3' if args.use_matrix_fsdp else 'plain data parallelism'}, "
-                 f"DP={args.data_parallel_size}, optimizer={args.optimizer}, micro-batches={args.num_microbatches}, "
-                 f"padded vocab={vocab}")
+                 f"TP={args.tensor_model_parallel_size} x PP={args.pipeline_model_parallel_size} x "
+                 f"DP={args.data_parallel_size} (replicas={args.mfsdp_replicate_size if args.use_matrix_fsdp else args.data_parallel_size}), "
+                 f"optimizer={args.optimizer}, muon TP mode={args.muon_tp_mode}, "
+                 f"micro-batches={args.num_microbatches}, padded vocab={vocab}")
     _print_rank0(model.plan.report())
     start_iteration = 0
     if args.load:

@@ -18,7 +18,7 @@ def optimizer_config(args) -> MatrixFSDPOptimizerConfig:
         muon_use_nesterov=args.muon_nesterov, muon_num_ns_steps=args.muon_ns_steps,
         muon_coefficients=args.muon_coefficients, muon_ns_dtype=args.muon_ns_dtype,
         muon_scale_mode=args.muon_scale_mode, muon_extra_scale_factor=args.muon_extra_scale_factor,
-        muon_split_qkv=args.muon_split_qkv,
+        muon_split_qkv=args.muon_split_qkv, muon_tp_mode=args.muon_tp_mode,
     )
 
 
@@ -37,6 +37,7 @@ def transformer_config(args):
         params_dtype=dtype, bf16=args.bf16, fp16=args.fp16,
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        sequence_parallel=args.sequence_parallel,
         bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
         persist_layer_norm=False, gradient_accumulation_fusion=False, apply_rope_fusion=False,
         deterministic_mode=args.deterministic_mode,
@@ -52,7 +53,7 @@ def build_model_and_optimizer(args, vocab_size: int):
     """
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-    from ..model import build_gpt_model
+    from ..model import build_gpt_model, initialize_by_global_name
     from ..optimizer import get_megatron_optimizer
     from ..parallel import data_parallel_groups
     from ..runtime import MatrixFSDP
@@ -64,9 +65,12 @@ def build_model_and_optimizer(args, vocab_size: int):
         position_embedding_type=args.position_embedding_type,
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
     )
+    if config.use_cpu_initialization:
+        # Layout-independent start: every TP x PP x DP run begins from the 1 x 1 x 1 weights.
+        initialize_by_global_name(model, config, args.seed)
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
-    replicate = 1 if args.use_matrix_fsdp else args.data_parallel_size
+    replicate = args.mfsdp_replicate_size if args.use_matrix_fsdp else args.data_parallel_size
     shard_group, replica_group = data_parallel_groups(replicate)
     ddp_config = MatrixFSDPConfig(param_rules=args.param_rules, planner=args.mfsdp_planner,
                                   muon_split_qkv=args.muon_split_qkv,

@@ -1,0 +1,17 @@
+# megatron-mfsdp on an NGC PyTorch image (CUDA, NCCL, Transformer Engine and Apex preinstalled).
+# Build:  docker build -t megatron-mfsdp .
+# Run:    docker run --gpus all --ipc=host --rm -it megatron-mfsdp bash examples/pretrain_gpt_1.3b_single_node.sh
+FROM nvcr.io/nvidia/pytorch:25.09-py3
+
+WORKDIR /workspace/megatron-mfsdp
+COPY pyproject.toml README.md ./
+COPY megatron_mfsdp ./megatron_mfsdp
+# The image's torch (CUDA build) satisfies torch>=2.4, so pip keeps it; megatron-core comes
+# from PyPI. Transformer Engine and Apex are already in the image: never `pip install apex`
+# (that PyPI name is an unrelated package).
+RUN pip install --no-cache-dir -e .
+COPY pretrain_gpt.py ./
+COPY tools ./tools
+COPY examples ./examples
+COPY benchmarks ./benchmarks
+ENV PYTHONWARNINGS=ignore
