@@ -71,13 +71,17 @@ def init_megatron(tp: int = 1, pp: int = 1) -> None:
     parallel_state.initialize_model_parallel(tp, pp)
 
 
-def tiny_gpt(seed: int = 1234, **config_overrides):
-    """A 2-layer GPT (GQA, tied embeddings) built identically on every rank."""
-    from megatron_mfsdp.model import build_gpt_model, tiny_gpt_config
+def tiny_gpt(seed: int = 1234, by_global_name: bool = False, **config_overrides):
+    """A 2-layer GPT (GQA, tied embeddings) built identically on every rank;
+    ``by_global_name`` seeds each weight from its global name (layout-independent)."""
+    from megatron_mfsdp.model import build_gpt_model, initialize_by_global_name, tiny_gpt_config
 
     torch.manual_seed(seed)
     config = tiny_gpt_config(**config_overrides)
-    return config, build_gpt_model(config, vocab_size=VOCAB, max_sequence_length=SEQ)
+    model = build_gpt_model(config, vocab_size=VOCAB, max_sequence_length=SEQ)
+    if by_global_name:
+        initialize_by_global_name(model, config, seed)
+    return config, model
 
 
 def micro_batch(step: int, micro: int, dp_rank: int) -> torch.Tensor:
@@ -101,12 +105,15 @@ def optimizer_config(**overrides):
     return MatrixFSDPOptimizerConfig(**kwargs)
 
 
-def reference_train(model, config, opt_config, world_size: int, steps: int, num_micro: int) -> Dict:
+def reference_train(model, config, opt_config, world_size: int, steps: int, num_micro: int,
+                    muon_blocks: int = 1) -> Dict:
     """Single-process training that processes every rank's micro-batches and
     averages the way MatrixFSDP does: per micro-batch, each rank's gradient is
     scaled by 1/W and the W contributions are summed in rank order, then added
-    to the fp32 accumulator. The update uses the same per-parameter math."""
-    from megatron_mfsdp.muon import muon_step_
+    to the fp32 accumulator. The update uses the same per-parameter math.
+
+    ``muon_blocks`` > 1 orthogonalizes each matrix in that many blocks along its
+    tensor-parallel split dimension: what blockwise Muon does at that TP size."""
     from megatron_mfsdp.optimizer import _no_weight_decay, adamw_step_
     from megatron_mfsdp.placement import MUON, classify_parameter, qkv_block_rows
 
@@ -144,13 +151,11 @@ def reference_train(model, config, opt_config, world_size: int, steps: int, num_
                 kind = classify_parameter(n, p.shape)
                 if kind == MUON and opt_config.optimizer == "muon":
                     buf = state[n].setdefault("momentum_buffer", torch.zeros(p.shape))
-                    muon_step_(p.data, acc[n].view(p.shape), buf, lr=opt_config.lr,
-                               weight_decay=opt_config.weight_decay, momentum=opt_config.muon_momentum,
-                               nesterov=opt_config.muon_use_nesterov, ns_steps=opt_config.muon_num_ns_steps,
-                               coefficients=opt_config.muon_coefficients, ns_dtype=ns_dtype,
-                               scale_mode=opt_config.muon_scale_mode,
-                               extra_scale_factor=opt_config.muon_extra_scale_factor,
-                               qkv_split_shapes=qkv_rows if n.endswith("linear_qkv.weight") else None)
+                    dim = getattr(p, "partition_dim", 0)
+                    for block, grad_block, buf_block in zip(p.data.chunk(muon_blocks, dim),
+                                                            acc[n].view(p.shape).chunk(muon_blocks, dim),
+                                                            buf.chunk(muon_blocks, dim)):
+                        _muon_block_step(block, grad_block, buf_block, n, opt_config, ns_dtype, qkv_rows)
                 else:
                     wd = 0.0 if _no_weight_decay(n, p.shape) else opt_config.weight_decay
                     m = state[n].setdefault("exp_avg", torch.zeros(p.numel()))
@@ -161,6 +166,21 @@ def reference_train(model, config, opt_config, world_size: int, steps: int, num_
     return {"params": {n: p.detach().clone() for n, p in params.items()},
             "state": {n: {k: v.reshape(-1).clone() for k, v in st.items()} for n, st in state.items()},
             "losses": losses}
+
+
+def _muon_block_step(param, grad, buf, name, opt_config, ns_dtype, qkv_rows) -> None:
+    """muon_step_ on one (possibly non-contiguous) block, written back in place."""
+    from megatron_mfsdp.muon import muon_step_
+
+    work, work_buf = param.contiguous(), buf.contiguous()
+    muon_step_(work, grad.contiguous(), work_buf, lr=opt_config.lr, weight_decay=opt_config.weight_decay,
+               momentum=opt_config.muon_momentum, nesterov=opt_config.muon_use_nesterov,
+               ns_steps=opt_config.muon_num_ns_steps, coefficients=opt_config.muon_coefficients,
+               ns_dtype=ns_dtype, scale_mode=opt_config.muon_scale_mode,
+               extra_scale_factor=opt_config.muon_extra_scale_factor,
+               qkv_split_shapes=qkv_rows if name.endswith("linear_qkv.weight") else None)
+    param.copy_(work)
+    buf.copy_(work_buf)
 
 
 def assemble_optimizer_state(rank_states: List[Dict], shapes: Dict[str, tuple]) -> Dict:
