@@ -108,7 +108,18 @@ def build_gpt_model(
     post_process: bool = True,
     use_transformer_engine: Optional[bool] = None,
 ) -> GPTModel:
-    """A megatron-core GPTModel for the given config (parallel_state must be initialized)."""
+    """A megatron-core GPTModel for the given config (parallel_state must be initialized).
+    Built under cpu_compat: with PP > 1 megatron-core moves the tied output weight to CUDA."""
+    from .cpu_compat import cuda_on_cpu
+
+    with cuda_on_cpu():
+        return _gpt_model(config, vocab_size, max_sequence_length, position_embedding_type,
+                          share_embeddings_and_output_weights, pre_process, post_process,
+                          use_transformer_engine)
+
+
+def _gpt_model(config, vocab_size, max_sequence_length, position_embedding_type,
+               share_embeddings_and_output_weights, pre_process, post_process, use_transformer_engine):
     return GPTModel(
         config=config,
         transformer_layer_spec=gpt_layer_spec(config.normalization, use_transformer_engine),

@@ -323,25 +323,40 @@ class ModelUnit:
 
 
 def gpt_model_units(model: torch.nn.Module) -> List[ModelUnit]:
-    """Split a megatron-core GPTModel chunk into units: the embedding, one per
-    transformer layer, and the final norm with the output layer. A weight shared
-    with a later module (tied embedding and output layer) stays in the unit of
-    its first module, and that later module becomes an extra site of that unit."""
+    """Split a megatron-core GPTModel chunk (one pipeline stage) into units: the
+    embedding, one per transformer layer, and the final norm with the output layer.
+
+    A word embedding tied to the output layer is a unit of its own, on whichever
+    stage holds a copy, so that its segments line up between the first and last
+    pipeline stage (their gradients are summed there). On a single stage the
+    output layer becomes an extra site of that unit."""
     named = dict(model.named_parameters())  # de-duplicates shared parameters: first name wins
     by_id = {id(p): n for n, p in named.items()}
+    pre, post = getattr(model, "pre_process", True), getattr(model, "post_process", True)
+    embedding = getattr(model, "embedding", None)
+    output_layer = getattr(model, "output_layer", None)
+    tied_param, tied_unit = None, None
+    if getattr(model, "share_embeddings_and_output_weights", False) and (pre or post):
+        tied_param = model.shared_embedding_or_output_weight()
+        if pre:
+            sites = [output_layer] if post and output_layer is not None else []
+            tied_unit = ModelUnit("tied_embedding", [(by_id[id(tied_param)], tied_param)], [embedding], sites)
+        else:
+            tied_unit = ModelUnit("tied_embedding", [(by_id[id(tied_param)], tied_param)], [output_layer])
+
     groups: List[Tuple[str, List[torch.nn.Module]]] = []
-    if getattr(model, "embedding", None) is not None:
-        groups.append(("embedding", [model.embedding]))
+    if embedding is not None:
+        groups.append(("embedding", [embedding]))
     decoder = getattr(model, "decoder", None)
     if decoder is None:
         raise ValueError(f"{type(model).__name__} has no .decoder: not a megatron-core GPTModel chunk")
     for i, layer in enumerate(decoder.layers):
         groups.append((f"layer{getattr(layer, 'layer_number', i + 1)}", [layer]))
-    final_modules = [m for m in (getattr(decoder, "final_layernorm", None), getattr(model, "output_layer", None)) if m is not None]
+    final_modules = [m for m in (getattr(decoder, "final_layernorm", None), output_layer) if m is not None]
     if final_modules:
         groups.append(("final", final_modules))
 
-    seen = set()
+    seen = {id(tied_param)} if tied_param is not None else set()
     units = []
     for name, modules in groups:
         params = []
@@ -354,12 +369,10 @@ def gpt_model_units(model: torch.nn.Module) -> List[ModelUnit]:
     missing = [n for n, p in named.items() if id(p) not in seen]
     if missing:
         raise ValueError(f"parameters outside every unit: {missing}")
-    # A tied output layer uses the embedding's weight; the forward passes it in explicitly.
-    output_layer = getattr(model, "output_layer", None)
-    if output_layer is not None and getattr(model, "share_embeddings_and_output_weights", False) \
-            and getattr(model, "pre_process", False):
-        units[0].extra_sites.append(output_layer)
-    return [u for u in units if u.params]
+    units = [u for u in units if u.params]
+    if tied_unit is not None:
+        units.insert(0 if pre else len(units), tied_unit)
+    return units
 
 
 def qkv_block_rows(config, tp_size: int = 1) -> Tuple[int, int, int]:

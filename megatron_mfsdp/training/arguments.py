@@ -136,9 +136,9 @@ def validate_args(args: argparse.Namespace) -> None:
     """Fill defaults that depend on other flags and reject bad combinations."""
     if args.fp16 and args.bf16:
         raise ValueError("--fp16 and --bf16 are mutually exclusive")
-    if args.pipeline_model_parallel_size != 1:
-        raise ValueError("--pipeline-model-parallel-size > 1: not yet supported by this version of "
-                         "megatron-mfsdp (data and tensor parallelism only)")
+    if args.num_layers % args.pipeline_model_parallel_size:
+        raise ValueError(f"--num-layers {args.num_layers} is not divisible by --pipeline-model-parallel-size "
+                         f"{args.pipeline_model_parallel_size}")
     if args.sequence_parallel and args.tensor_model_parallel_size == 1:
         args.sequence_parallel = False  # megatron-LM drops it silently too
     import torch

@@ -60,19 +60,34 @@ def prepare_data(args):
     return tokenizer, vocab, datasets
 
 
-def forward_loss(model, batch: Dict[str, torch.Tensor]) -> torch.Tensor:
-    """Mean lm loss over the micro-batch's unmasked tokens (megatron's loss_func)."""
+def _loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
+    """Mean lm loss over the micro-batch's unmasked tokens (megatron's 2-tuple form:
+    the schedule divides by the number of micro-batches)."""
+    mask = loss_mask.float()
+    loss = (output_tensor.float() * mask).sum() / mask.sum().clamp(min=1)
+    return loss, {"lm loss": loss.detach().clone()}  # the schedule divides `loss` in place
+
+
+def _forward_step(data_iterator, model):
+    from functools import partial
+
+    batch = next(data_iterator)
     device = model.device
-    per_token = model(batch["tokens"].to(device), batch["position_ids"].to(device), None,
-                      labels=batch["labels"].to(device))
-    mask = batch["loss_mask"].to(device).float()
-    return (per_token.float() * mask).sum() / mask.sum().clamp(min=1)
+    output = model(batch["tokens"].to(device), batch["position_ids"].to(device), None,
+                   labels=batch["labels"].to(device))
+    return output, partial(_loss_func, batch["loss_mask"].to(device))
 
 
-def _dp_mean(value: float, device) -> float:
+def _mean_loss(loss_dicts, device) -> float:
+    """Mean lm loss of the step, from the last pipeline stage, averaged over DP."""
     from megatron.core import parallel_state
 
+    value = sum(d["lm loss"].item() for d in loss_dicts) / max(1, len(loss_dicts))
     t = torch.tensor([value], dtype=torch.float64, device=device)
+    if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+        if not parallel_state.is_pipeline_last_stage():
+            t.zero_()
+        dist.all_reduce(t, group=parallel_state.get_pipeline_model_parallel_group())
     dist.all_reduce(t, group=parallel_state.get_data_parallel_group())
     return t.item() / parallel_state.get_data_parallel_world_size()
 
@@ -89,27 +104,29 @@ def _batches(args, dataset, iteration: int):
 
 
 def train_step(args, model, optimizer, dataset, iteration: int):
-    """One global batch: forward/backward over the micro-batches, then the step."""
+    """One global batch through megatron-core's schedule, then the optimizer step."""
+    from ..pipeline import forward_backward
+
     optimizer.zero_grad()
-    total = 0.0
-    for batch in _batches(args, dataset, iteration):
-        loss = forward_loss(model, batch) / args.num_microbatches
-        optimizer.scale_loss(loss).backward() if args.fp16 else loss.backward()
-        total += loss.item()
-    model.finish_grad_sync()
+    loss_dicts = forward_backward(_forward_step, _batches(args, dataset, iteration), [model],
+                                  args.num_microbatches, args.seq_length, args.micro_batch_size)
     start = time.perf_counter()
     success, grad_norm, _ = optimizer.step()
     step_ms = (time.perf_counter() - start) * 1000
-    return _dp_mean(total, model.device), success, grad_norm, step_ms
+    return _mean_loss(loss_dicts, model.device), success, grad_norm, step_ms
 
 
 @torch.no_grad()
 def evaluate(args, model, dataset, iteration: int) -> float:
+    from ..pipeline import forward_backward
+
     model.eval()
     losses = []
     for i in range(args.eval_iters):
-        total = sum(forward_loss(model, b).item() for b in _batches(args, dataset, iteration * args.eval_iters + i))
-        losses.append(_dp_mean(total / args.num_microbatches, model.device))
+        loss_dicts = forward_backward(_forward_step, _batches(args, dataset, iteration * args.eval_iters + i),
+                                      [model], args.num_microbatches, args.seq_length, args.micro_batch_size,
+                                      forward_only=True)
+        losses.append(_mean_loss(loss_dicts, model.device))
     model.train()
     return sum(losses) / len(losses)
 
@@ -161,6 +178,9 @@ def pretrain(args) -> Dict[str, List]:
     initialize_distributed(args)
     tokenizer, vocab, (train_ds, valid_ds, test_ds) = prepare_data(args)
     config, model, optimizer, scheduler = build_model_and_optimizer(args, vocab)
+    from ..pipeline import configure_schedule
+
+    configure_schedule([model], optimizer)
     _print_rank0(f"> MatrixFSDP: {'owner-sharded ZeRO-3' if args.use_matrix_fsdp else 'plain data parallelism'}, "
                  f"TP={args.tensor_model_parallel_size} x PP={args.pipeline_model_parallel_size} x "
                  f"DP={args.data_parallel_size} (replicas={args.mfsdp_replicate_size if args.use_matrix_fsdp else args.data_parallel_size}), "

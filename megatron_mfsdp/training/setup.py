@@ -34,7 +34,7 @@ def transformer_config(args):
         activation_func=torch.nn.functional.silu if args.swiglu else torch.nn.functional.gelu,
         init_method_std=args.init_method_std, use_cpu_initialization=args.use_cpu_initialization
         or not torch.cuda.is_available(),
-        params_dtype=dtype, bf16=args.bf16, fp16=args.fp16,
+        params_dtype=dtype, pipeline_dtype=dtype, bf16=args.bf16, fp16=args.fp16,
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         sequence_parallel=args.sequence_parallel,
@@ -60,8 +60,11 @@ def build_model_and_optimizer(args, vocab_size: int):
 
     config = transformer_config(args)
     torch.manual_seed(args.seed)  # identical initial weights on every rank
+    from megatron.core import parallel_state
+
     model = build_gpt_model(
         config, vocab_size=vocab_size, max_sequence_length=args.max_position_embeddings,
+        pre_process=parallel_state.is_pipeline_first_stage(), post_process=parallel_state.is_pipeline_last_stage(),
         position_embedding_type=args.position_embedding_type,
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
     )
