@@ -71,14 +71,16 @@ def init_megatron(tp: int = 1, pp: int = 1) -> None:
     parallel_state.initialize_model_parallel(tp, pp)
 
 
-def tiny_gpt(seed: int = 1234, by_global_name: bool = False, **config_overrides):
+def tiny_gpt(seed: int = 1234, by_global_name: bool = False, pre_process: bool = True,
+             post_process: bool = True, **config_overrides):
     """A 2-layer GPT (GQA, tied embeddings) built identically on every rank;
     ``by_global_name`` seeds each weight from its global name (layout-independent)."""
     from megatron_mfsdp.model import build_gpt_model, initialize_by_global_name, tiny_gpt_config
 
     torch.manual_seed(seed)
     config = tiny_gpt_config(**config_overrides)
-    model = build_gpt_model(config, vocab_size=VOCAB, max_sequence_length=SEQ)
+    model = build_gpt_model(config, vocab_size=VOCAB, max_sequence_length=SEQ,
+                            pre_process=pre_process, post_process=post_process)
     if by_global_name:
         initialize_by_global_name(model, config, seed)
     return config, model

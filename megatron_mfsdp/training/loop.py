@@ -151,6 +151,19 @@ def _log_validation(iteration: int, loss: float, label: str = "validation") -> N
     _print_rank0("-" * len(text) + "\n" + text + "\n" + "-" * len(text))
 
 
+def _print_stage_plans(model) -> None:
+    """Rank 0 prints the owner plan of every pipeline stage (from its first TP/DP rank)."""
+    from megatron.core import parallel_state
+
+    first_of_stage = parallel_state.get_tensor_model_parallel_rank() == 0 and \
+        parallel_state.get_data_parallel_rank() == 0
+    mine = (parallel_state.get_pipeline_model_parallel_rank(), model.plan.report()) if first_of_stage else None
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    for stage, report in sorted(r for r in everyone if r is not None):
+        _print_rank0(f"> pipeline stage {stage}: " + report)
+
+
 def plot_loss_curve(history: Dict[str, List], path: str) -> None:
     """Training and validation loss against iteration, as a PNG."""
     import matplotlib
@@ -186,7 +199,7 @@ def pretrain(args) -> Dict[str, List]:
                  f"DP={args.data_parallel_size} (replicas={args.mfsdp_replicate_size if args.use_matrix_fsdp else args.data_parallel_size}), "
                  f"optimizer={args.optimizer}, muon TP mode={args.muon_tp_mode}, "
                  f"micro-batches={args.num_microbatches}, padded vocab={vocab}")
-    _print_rank0(model.plan.report())
+    _print_stage_plans(model)
     start_iteration = 0
     if args.load:
         start_iteration = load_checkpoint(args.load, model, optimizer, scheduler) or 0
