@@ -268,20 +268,47 @@ class MatrixFSDPOptimizer(MegatronOptimizer):
                 self.grad_scaler.load_state_dict(state_dict["grad_scaler"])
 
     def sharded_state_dict(self, model_sharded_state_dict=None, is_loading: bool = False, metadata=None):
-        """Optimizer state as megatron-core dist_checkpointing ShardedTensors: each owned
-        piece is a flat range of its full parameter, so any layout can read it back."""
-        from megatron.core.dist_checkpointing import ShardedTensor
+        """Optimizer state as megatron-core dist_checkpointing ShardedTensors.
 
+        Each global parameter's master and moments are saved as a flat 1-D tensor of its
+        full numel; every owned piece is the uneven shard ``[param_offset, +numel)`` of it
+        (no regular grid: coverage is checked by DCP). Keys hold global names, so a load
+        at another DP size reads the same tensors with different offsets. Loading fills
+        the tensors of this dict in place; call ``reload_model_params``-like syncs after."""
+        from megatron.core.dist_checkpointing import ShardedObject, ShardedTensor
+
+        names = {}
+        for chunk in self.model_chunks:
+            from .model import global_parameter_names
+
+            names.update(global_parameter_names(chunk.module))
         sharded = {}
         for _, owned in self._pieces():
-            full_shape = self._full_shape(owned.name)
+            numel = 1
+            for dim in self._full_shape(owned.name):
+                numel *= dim
             for tag, tensor in [("master", owned.master)] + sorted(owned.state.items()):
-                key = f"optimizer.{tag}.{owned.name}" if tag != "momentum_buffer" else f"optimizer.momentum.{owned.name}"
-                sharded[f"{tag}.{owned.key}"] = ShardedTensor.from_rank_offsets_flat(
-                    key, tensor.reshape(-1), full_shape,
-                    flattened_range=slice(owned.param_offset, owned.param_offset + tensor.numel()))
-        sharded["step"] = self.step_count
+                flat = tensor.view(-1)
+                sharded[f"{tag}.{owned.key}"] = ShardedTensor(
+                    key=f"optimizer.{tag}.{names.get(owned.name, owned.name)}", data=flat, dtype=flat.dtype,
+                    local_shape=(flat.numel(),), global_shape=(numel,), global_offset=(owned.param_offset,),
+                    axis_fragmentations=None)
+        sharded["step"] = ShardedObject("optimizer.step", self.step_count, (1,), (0,),
+                                        replica_id=dist.get_rank())
         return sharded
+
+    def load_sharded_state_dict(self, loaded) -> None:
+        """Apply what ``dist_checkpointing.load`` returned for :meth:`sharded_state_dict`."""
+        with torch.no_grad():
+            for _, owned in self._pieces():
+                for tag, tensor in [("master", owned.master)] + sorted(owned.state.items()):
+                    value = loaded[f"{tag}.{owned.key}"]
+                    if value.data_ptr() != tensor.data_ptr():
+                        tensor.view(-1).copy_(value)
+            for model_segment, master in self._masters:
+                if model_segment is not master:
+                    model_segment.copy_(master)
+        self.step_count = loaded["step"]
 
     def _full_shape(self, name: str):
         for chunk in self.model_chunks:
