@@ -107,6 +107,7 @@ def build_gpt_model(
     pre_process: bool = True,
     post_process: bool = True,
     use_transformer_engine: Optional[bool] = None,
+    vp_stage: Optional[int] = None,
 ) -> GPTModel:
     """A megatron-core GPTModel for the given config (parallel_state must be initialized).
     Built under cpu_compat: with PP > 1 megatron-core moves the tied output weight to CUDA."""
@@ -115,11 +116,12 @@ def build_gpt_model(
     with cuda_on_cpu():
         return _gpt_model(config, vocab_size, max_sequence_length, position_embedding_type,
                           share_embeddings_and_output_weights, pre_process, post_process,
-                          use_transformer_engine)
+                          use_transformer_engine, vp_stage)
 
 
 def _gpt_model(config, vocab_size, max_sequence_length, position_embedding_type,
-               share_embeddings_and_output_weights, pre_process, post_process, use_transformer_engine):
+               share_embeddings_and_output_weights, pre_process, post_process, use_transformer_engine,
+               vp_stage):
     return GPTModel(
         config=config,
         transformer_layer_spec=gpt_layer_spec(config.normalization, use_transformer_engine),
@@ -129,6 +131,7 @@ def _gpt_model(config, vocab_size, max_sequence_length, position_embedding_type,
         post_process=post_process,
         share_embeddings_and_output_weights=share_embeddings_and_output_weights,
         position_embedding_type=position_embedding_type,
+        vp_stage=vp_stage,
     )
 
 

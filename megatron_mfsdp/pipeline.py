@@ -39,7 +39,8 @@ def finalize_model_grads(model_chunks: List[MatrixFSDP], num_tokens: Optional[to
 def configure_schedule(model_chunks: List[MatrixFSDP], optimizer=None) -> None:
     """Point the chunks' TransformerConfig at MatrixFSDP's hooks."""
     config = model_chunks[0].config
-    config.no_sync_func = model_chunks[0].no_sync
+    no_sync = [chunk.no_sync for chunk in model_chunks]
+    config.no_sync_func = no_sync if len(no_sync) > 1 else no_sync[0]
     config.finalize_model_grads_func = finalize_model_grads
     if optimizer is not None and config.fp16:
         config.grad_scale_func = optimizer.scale_loss

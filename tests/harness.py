@@ -7,7 +7,7 @@ import os
 import socket
 import tempfile
 import traceback
-from typing import Callable, Dict, List
+from typing import Callable, Dict, List, Optional
 
 import torch
 import torch.multiprocessing as mp
@@ -65,14 +65,14 @@ def run_workers(world_size: int, fn: Callable, *args, timeout: float = 600) -> L
         return [torch.load(os.path.join(out_dir, f"result{r}.pt"), weights_only=False) for r in range(world_size)]
 
 
-def init_megatron(tp: int = 1, pp: int = 1) -> None:
+def init_megatron(tp: int = 1, pp: int = 1, vp: Optional[int] = None) -> None:
     from megatron.core import parallel_state
 
-    parallel_state.initialize_model_parallel(tp, pp)
+    parallel_state.initialize_model_parallel(tp, pp, virtual_pipeline_model_parallel_size=vp)
 
 
 def tiny_gpt(seed: int = 1234, by_global_name: bool = False, pre_process: bool = True,
-             post_process: bool = True, **config_overrides):
+             post_process: bool = True, vp_stage=None, **config_overrides):
     """A 2-layer GPT (GQA, tied embeddings) built identically on every rank;
     ``by_global_name`` seeds each weight from its global name (layout-independent)."""
     from megatron_mfsdp.model import build_gpt_model, initialize_by_global_name, tiny_gpt_config
@@ -80,7 +80,7 @@ def tiny_gpt(seed: int = 1234, by_global_name: bool = False, pre_process: bool =
     torch.manual_seed(seed)
     config = tiny_gpt_config(**config_overrides)
     model = build_gpt_model(config, vocab_size=VOCAB, max_sequence_length=SEQ,
-                            pre_process=pre_process, post_process=post_process)
+                            pre_process=pre_process, post_process=post_process, vp_stage=vp_stage)
     if by_global_name:
         initialize_by_global_name(model, config, seed)
     return config, model

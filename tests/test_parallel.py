@@ -168,3 +168,16 @@ def test_pretrain_every_layout_matches_1x1x1(tmp_path):
         worst = max(abs(a - b) for a, b in zip(got, reference))
         print(f"\n{name}: max lm loss delta vs 1x1x1 = {worst:.2e}")
         assert len(got) == 5 and worst <= 1e-5, (name, got, reference)
+
+
+def test_pretrain_pp2_interleaved_virtual_stages_dp2_matches_1x1x1(tmp_path):
+    """Interleaved 1F1B: 4 layers as 2 pipeline ranks x 2 virtual stages of 1 layer."""
+    flags = [*TINY, "--use-matrix-fsdp", "--eval-interval", "0", "--num-layers", "4"]
+    reference = losses(run_pretrain(1, *flags, tmp_path=tmp_path).stdout)
+    proc = run_pretrain(4, *flags, "--pipeline-model-parallel-size", "2",
+                        "--num-layers-per-virtual-pipeline-stage", "1", tmp_path=tmp_path)
+    got = losses(proc.stdout)
+    worst = max(abs(a - b) for a, b in zip(got, reference))
+    print(f"\npp2 x vp2 x dp2: max lm loss delta vs 1x1x1 = {worst:.2e}")
+    assert "pipeline stage 1, virtual stage 1" in proc.stdout
+    assert len(got) == len(reference) == 5 and worst <= 1e-5

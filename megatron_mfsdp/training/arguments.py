@@ -61,6 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("parallelism")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None,
+                   help="interleaved 1F1B: each pipeline rank holds several model chunks of this many layers")
     g.add_argument("--sequence-parallel", action="store_true")
     g.add_argument("--distributed-backend", choices=["nccl", "gloo"], default=None,
                    help="default: nccl with CUDA, else gloo")
@@ -136,9 +138,17 @@ def validate_args(args: argparse.Namespace) -> None:
     """Fill defaults that depend on other flags and reject bad combinations."""
     if args.fp16 and args.bf16:
         raise ValueError("--fp16 and --bf16 are mutually exclusive")
-    if args.num_layers % args.pipeline_model_parallel_size:
-        raise ValueError(f"--num-layers {args.num_layers} is not divisible by --pipeline-model-parallel-size "
-                         f"{args.pipeline_model_parallel_size}")
+    pp = args.pipeline_model_parallel_size
+    if args.num_layers % pp:
+        raise ValueError(f"--num-layers {args.num_layers} is not divisible by --pipeline-model-parallel-size {pp}")
+    args.virtual_pipeline_model_parallel_size = None
+    if args.num_layers_per_virtual_pipeline_stage:
+        per_vp = args.num_layers_per_virtual_pipeline_stage
+        if pp < 2 or (args.num_layers // pp) % per_vp:
+            raise ValueError(f"--num-layers-per-virtual-pipeline-stage {per_vp} needs "
+                             f"--pipeline-model-parallel-size > 1 and must divide the {args.num_layers // pp} "
+                             "layers of each pipeline stage")
+        args.virtual_pipeline_model_parallel_size = args.num_layers // pp // per_vp
     if args.sequence_parallel and args.tensor_model_parallel_size == 1:
         args.sequence_parallel = False  # megatron-LM drops it silently too
     import torch

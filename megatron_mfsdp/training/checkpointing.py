@@ -28,14 +28,14 @@ def _atomic_save(obj, path: str) -> None:
     os.replace(tmp, path)
 
 
-def save_checkpoint(save_dir: str, iteration: int, model, optimizer, scheduler, args) -> str:
+def save_checkpoint(save_dir: str, iteration: int, chunks, optimizer, scheduler, args) -> str:
     rank = dist.get_rank()
     folder = os.path.join(save_dir, f"iter_{iteration:07d}")
     os.makedirs(folder, exist_ok=True)
     state = {
         "iteration": iteration,
-        "plan_digest": model.plan.digest(),
-        "model": [unit.param_segment.clone() for unit in model.units],
+        "plan_digest": [chunk.plan.digest() for chunk in chunks],
+        "model": [unit.param_segment.clone() for chunk in chunks for unit in chunk.units],
         "optimizer": optimizer.state_dict(),
         "scheduler": scheduler.state_dict(),
         "rng": torch.get_rng_state(),
@@ -52,7 +52,7 @@ def save_checkpoint(save_dir: str, iteration: int, model, optimizer, scheduler, 
     return folder
 
 
-def load_checkpoint(load_dir: str, model, optimizer, scheduler) -> Optional[int]:
+def load_checkpoint(load_dir: str, chunks, optimizer, scheduler) -> Optional[int]:
     """Load the latest checkpoint in ``load_dir``; return its iteration, or None if there is none."""
     tracker = os.path.join(load_dir, TRACKER)
     if not os.path.isfile(tracker):
@@ -63,11 +63,11 @@ def load_checkpoint(load_dir: str, model, optimizer, scheduler) -> Optional[int]
     if not os.path.isfile(path):
         raise FileNotFoundError(f"--load {load_dir}: {path} is missing (saved with a different world size?)")
     state = torch.load(path, weights_only=False)
-    if state["plan_digest"] != model.plan.digest():
+    if state["plan_digest"] != [chunk.plan.digest() for chunk in chunks]:
         raise ValueError(f"--load {load_dir}: checkpoint was saved with a different MatrixFSDP layout "
                          "(DP size, planner, parameter rules or model shape)")
     with torch.no_grad():
-        for unit, segment in zip(model.units, state["model"]):
+        for unit, segment in zip([u for chunk in chunks for u in chunk.units], state["model"]):
             unit.param_segment.copy_(segment)
     optimizer.load_state_dict(state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])

@@ -32,7 +32,9 @@ def initialize_distributed(args) -> None:
     dist.init_process_group(args.distributed_backend, timeout=datetime.timedelta(minutes=10))
     from megatron.core import parallel_state
 
-    parallel_state.initialize_model_parallel(args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
+    parallel_state.initialize_model_parallel(
+        args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size)
     if args.deterministic_mode:
         torch.use_deterministic_algorithms(True)
 
@@ -103,31 +105,39 @@ def _batches(args, dataset, iteration: int):
                              args.global_batch_size, wrap=True)
 
 
-def train_step(args, model, optimizer, dataset, iteration: int):
+def _data_iterators(args, chunks, dataset, iteration: int):
+    """One iterator over the step's micro-batches per model chunk (virtual stage)."""
+    iterators = [_batches(args, dataset, iteration) for _ in chunks]
+    return iterators if len(iterators) > 1 else iterators[0]
+
+
+def train_step(args, chunks, optimizer, dataset, iteration: int):
     """One global batch through megatron-core's schedule, then the optimizer step."""
     from ..pipeline import forward_backward
 
     optimizer.zero_grad()
-    loss_dicts = forward_backward(_forward_step, _batches(args, dataset, iteration), [model],
+    loss_dicts = forward_backward(_forward_step, _data_iterators(args, chunks, dataset, iteration), chunks,
                                   args.num_microbatches, args.seq_length, args.micro_batch_size)
     start = time.perf_counter()
     success, grad_norm, _ = optimizer.step()
     step_ms = (time.perf_counter() - start) * 1000
-    return _mean_loss(loss_dicts, model.device), success, grad_norm, step_ms
+    return _mean_loss(loss_dicts, chunks[0].device), success, grad_norm, step_ms
 
 
 @torch.no_grad()
-def evaluate(args, model, dataset, iteration: int) -> float:
+def evaluate(args, chunks, dataset, iteration: int) -> float:
     from ..pipeline import forward_backward
 
-    model.eval()
+    for chunk in chunks:
+        chunk.eval()
     losses = []
     for i in range(args.eval_iters):
-        loss_dicts = forward_backward(_forward_step, _batches(args, dataset, iteration * args.eval_iters + i),
-                                      [model], args.num_microbatches, args.seq_length, args.micro_batch_size,
-                                      forward_only=True)
-        losses.append(_mean_loss(loss_dicts, model.device))
-    model.train()
+        iterators = _data_iterators(args, chunks, dataset, iteration * args.eval_iters + i)
+        loss_dicts = forward_backward(_forward_step, iterators, chunks, args.num_microbatches, args.seq_length,
+                                      args.micro_batch_size, forward_only=True)
+        losses.append(_mean_loss(loss_dicts, chunks[0].device))
+    for chunk in chunks:
+        chunk.train()
     return sum(losses) / len(losses)
 
 
@@ -151,17 +161,20 @@ def _log_validation(iteration: int, loss: float, label: str = "validation") -> N
     _print_rank0("-" * len(text) + "\n" + text + "\n" + "-" * len(text))
 
 
-def _print_stage_plans(model) -> None:
-    """Rank 0 prints the owner plan of every pipeline stage (from its first TP/DP rank)."""
+def _print_stage_plans(chunks) -> None:
+    """Rank 0 prints the owner plan of every pipeline stage and virtual stage (from its
+    first TP/DP rank)."""
     from megatron.core import parallel_state
 
     first_of_stage = parallel_state.get_tensor_model_parallel_rank() == 0 and \
         parallel_state.get_data_parallel_rank() == 0
-    mine = (parallel_state.get_pipeline_model_parallel_rank(), model.plan.report()) if first_of_stage else None
+    stage = parallel_state.get_pipeline_model_parallel_rank()
+    mine = [(stage, v, c.plan.report()) for v, c in enumerate(chunks)] if first_of_stage else []
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
-    for stage, report in sorted(r for r in everyone if r is not None):
-        _print_rank0(f"> pipeline stage {stage}: " + report)
+    for stage, virtual, report in sorted(r for rank_reports in everyone for r in rank_reports):
+        label = f"pipeline stage {stage}" + (f", virtual stage {virtual}" if len(chunks) > 1 else "")
+        _print_rank0(f"> {label}: " + report)
 
 
 def plot_loss_curve(history: Dict[str, List], path: str) -> None:
@@ -190,19 +203,19 @@ def pretrain(args) -> Dict[str, List]:
 
     initialize_distributed(args)
     tokenizer, vocab, (train_ds, valid_ds, test_ds) = prepare_data(args)
-    config, model, optimizer, scheduler = build_model_and_optimizer(args, vocab)
+    config, chunks, optimizer, scheduler = build_model_and_optimizer(args, vocab)
     from ..pipeline import configure_schedule
 
-    configure_schedule([model], optimizer)
+    configure_schedule(chunks, optimizer)
     _print_rank0(f"> MatrixFSDP: {'owner-sharded ZeRO-3' if args.use_matrix_fsdp else 'plain data parallelism'}, "
                  f"TP={args.tensor_model_parallel_size} x PP={args.pipeline_model_parallel_size} x "
                  f"DP={args.data_parallel_size} (replicas={args.mfsdp_replicate_size if args.use_matrix_fsdp else args.data_parallel_size}), "
                  f"optimizer={args.optimizer}, muon TP mode={args.muon_tp_mode}, "
                  f"micro-batches={args.num_microbatches}, padded vocab={vocab}")
-    _print_stage_plans(model)
+    _print_stage_plans(chunks)
     start_iteration = 0
     if args.load:
-        start_iteration = load_checkpoint(args.load, model, optimizer, scheduler) or 0
+        start_iteration = load_checkpoint(args.load, chunks, optimizer, scheduler) or 0
         _print_rank0(f"> loaded checkpoint at iteration {start_iteration} from {args.load}")
     writer = None
     if args.tensorboard_dir and dist.get_rank() == 0:
@@ -217,11 +230,11 @@ def pretrain(args) -> Dict[str, List]:
     interval_loss, interval_count, interval_step_ms = 0.0, 0, 0.0
     interval_start = time.perf_counter()
     if args.eval_interval and start_iteration == 0:
-        valid = evaluate(args, model, valid_ds, 0)
+        valid = evaluate(args, chunks, valid_ds, 0)
         history["valid"].append((0, valid))
         _log_validation(0, valid)
     for iteration in range(start_iteration + 1, args.train_iters + 1):
-        loss, success, grad_norm, step_ms = train_step(args, model, optimizer, train_ds, iteration - 1)
+        loss, success, grad_norm, step_ms = train_step(args, chunks, optimizer, train_ds, iteration - 1)
         scheduler.step(increment=args.global_batch_size)
         if not success:
             skipped += 1
@@ -241,15 +254,15 @@ def pretrain(args) -> Dict[str, List]:
             interval_loss, interval_count, interval_step_ms = 0.0, 0, 0.0
             interval_start = time.perf_counter()
         if args.eval_interval and (iteration % args.eval_interval == 0 or iteration == args.train_iters):
-            valid = evaluate(args, model, valid_ds, iteration // args.eval_interval)
+            valid = evaluate(args, chunks, valid_ds, iteration // args.eval_interval)
             history["valid"].append((iteration, valid))
             _log_validation(iteration, valid)
             if writer is not None:
                 writer.add_scalar("validation lm loss", valid, iteration)
         if args.save and args.save_interval and iteration % args.save_interval == 0:
-            save_checkpoint(args.save, iteration, model, optimizer, scheduler, args)
+            save_checkpoint(args.save, iteration, chunks, optimizer, scheduler, args)
     if args.save and (not args.save_interval or args.train_iters % args.save_interval):
-        save_checkpoint(args.save, args.train_iters, model, optimizer, scheduler, args)
+        save_checkpoint(args.save, args.train_iters, chunks, optimizer, scheduler, args)
     if dist.get_rank() == 0:
         os.makedirs(args.output_dir, exist_ok=True)
         with open(os.path.join(args.output_dir, "loss_history.json"), "w") as f:

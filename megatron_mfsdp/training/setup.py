@@ -37,6 +37,7 @@ def transformer_config(args):
         params_dtype=dtype, pipeline_dtype=dtype, bf16=args.bf16, fp16=args.fp16,
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
         sequence_parallel=args.sequence_parallel,
         bias_activation_fusion=False, bias_dropout_fusion=False, masked_softmax_fusion=False,
         persist_layer_norm=False, gradient_accumulation_fusion=False, apply_rope_fusion=False,
@@ -45,12 +46,14 @@ def transformer_config(args):
 
 
 def build_model_and_optimizer(args, vocab_size: int):
-    """The GPT model wrapped in MatrixFSDP, its optimizer and lr scheduler.
+    """The GPT model chunks (one per virtual pipeline stage) wrapped in MatrixFSDP,
+    their optimizer and the lr scheduler.
 
     Without --use-matrix-fsdp the same wrapper runs as plain data parallelism
     (shard groups of one rank, replicated over all DP ranks): every rank holds
     and updates everything, with the same optimizer math, the baseline to compare with.
     """
+    from megatron.core import parallel_state
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     from ..model import build_gpt_model, initialize_by_global_name
@@ -59,27 +62,30 @@ def build_model_and_optimizer(args, vocab_size: int):
     from ..runtime import MatrixFSDP
 
     config = transformer_config(args)
-    torch.manual_seed(args.seed)  # identical initial weights on every rank
-    from megatron.core import parallel_state
-
-    model = build_gpt_model(
-        config, vocab_size=vocab_size, max_sequence_length=args.max_position_embeddings,
-        pre_process=parallel_state.is_pipeline_first_stage(), post_process=parallel_state.is_pipeline_last_stage(),
-        position_embedding_type=args.position_embedding_type,
-        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-    )
-    if config.use_cpu_initialization:
-        # Layout-independent start: every TP x PP x DP run begins from the 1 x 1 x 1 weights.
-        initialize_by_global_name(model, config, args.seed)
-    if torch.cuda.is_available():
-        model.cuda(torch.cuda.current_device())
     replicate = args.mfsdp_replicate_size if args.use_matrix_fsdp else args.data_parallel_size
     shard_group, replica_group = data_parallel_groups(replicate)
     ddp_config = MatrixFSDPConfig(param_rules=args.param_rules, planner=args.mfsdp_planner,
                                   muon_split_qkv=args.muon_split_qkv,
                                   verify_collectives=args.mfsdp_verify_collectives)
-    wrapped = MatrixFSDP(config, ddp_config, model, dp_group=shard_group, replica_group=replica_group)
-    optimizer = get_megatron_optimizer(optimizer_config(args), [wrapped])
+    chunks = []
+    virtual_stages = args.virtual_pipeline_model_parallel_size or 1
+    for vp_stage in range(virtual_stages):
+        vp = vp_stage if args.virtual_pipeline_model_parallel_size else None
+        torch.manual_seed(args.seed)  # identical initial weights on every rank
+        model = build_gpt_model(
+            config, vocab_size=vocab_size, max_sequence_length=args.max_position_embeddings,
+            pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
+            post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp),
+            position_embedding_type=args.position_embedding_type,
+            share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights, vp_stage=vp,
+        )
+        if config.use_cpu_initialization:
+            # Layout-independent start: every TP x PP x DP run begins from the 1 x 1 x 1 weights.
+            initialize_by_global_name(model, config, args.seed)
+        if torch.cuda.is_available():
+            model.cuda(torch.cuda.current_device())
+        chunks.append(MatrixFSDP(config, ddp_config, model, dp_group=shard_group, replica_group=replica_group))
+    optimizer = get_megatron_optimizer(optimizer_config(args), chunks)
     gbs = args.global_batch_size
     scheduler = OptimizerParamScheduler(
         optimizer, init_lr=0.0, max_lr=args.lr, min_lr=args.min_lr,
@@ -87,4 +93,4 @@ def build_model_and_optimizer(args, vocab_size: int):
         lr_decay_style=args.lr_decay_style, start_wd=args.weight_decay, end_wd=args.weight_decay,
         wd_incr_steps=args.train_iters * gbs, wd_incr_style="constant",
     )
-    return config, wrapped, optimizer, scheduler
+    return config, chunks, optimizer, scheduler
