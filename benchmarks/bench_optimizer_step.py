@@ -39,14 +39,9 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import socket
 import statistics
 import sys
-import tempfile
 import time
-import traceback
-import warnings
-from datetime import timedelta
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO_ROOT not in sys.path:
@@ -54,96 +49,25 @@ if REPO_ROOT not in sys.path:
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
+
+from megatron_mfsdp.devtools import count_collectives, run_workers  # noqa: E402
 
 METHODS = ("ours", "recon", "replicated")
 _NS_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
-# --------------------------------------------------------------------------- spawning
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _entry(rank, world_size, port, threads, fn, args, out_dir):
-    # Import-time notices of megatron-core on a CPU without TE/Apex, and torch's rename notice.
-    warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
-    warnings.filterwarnings("ignore", category=FutureWarning, message=r".*all_gather_into_tensor")
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
-    torch.set_num_threads(threads)
-    try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=600))
-        result = fn(rank, world_size, *args)
-        torch.save(result, os.path.join(out_dir, f"result{rank}.pt"))
-    except BaseException:
-        with open(os.path.join(out_dir, f"error{rank}.txt"), "w") as f:
-            f.write(traceback.format_exc())
-        raise
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
+# --------------------------------------------------------------------------- helpers
 def spawn(world_size: int, threads: int, fn, *args, timeout: float = 1800):
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo processes with
-    ``threads`` intra-op threads each; return rank 0's result."""
-    ctx = mp.get_context("spawn")
-    with tempfile.TemporaryDirectory() as out_dir:
-        port = _free_port()
-        procs = [ctx.Process(target=_entry, args=(r, world_size, port, threads, fn, args, out_dir))
-                 for r in range(world_size)]
-        for p in procs:
-            p.start()
-        deadline = time.monotonic() + timeout
-        for p in procs:
-            p.join(max(1.0, deadline - time.monotonic()))
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join()
-        errors = sorted(f for f in os.listdir(out_dir) if f.startswith("error"))
-        if errors:
-            with open(os.path.join(out_dir, errors[0])) as f:
-                raise RuntimeError(f"worker failed ({errors[0]}):\n{f.read()}")
-        if any(p.exitcode != 0 for p in procs):
-            raise RuntimeError(f"worker exit codes {[p.exitcode for p in procs]} (timeout {timeout}s?)")
-        return torch.load(os.path.join(out_dir, "result0.pt"), weights_only=False)
+    """Rank 0's result of ``fn`` run on ``world_size`` gloo processes."""
+    return run_workers(world_size, fn, *args, threads=threads, timeout=timeout)[0]
 
 
-# --------------------------------------------------------------------------- counting
-_COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter",
-                "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "reduce", "gather", "scatter",
-                "send", "recv", "isend", "irecv", "batch_isend_irecv", "all_gather_object",
-                "broadcast_object_list", "barrier", "all_reduce_coalesced")
-
-
-class CollectiveCounter:
-    """Record every torch.distributed collective (name, tensor elements passed) in the block."""
+class CollectiveCounter(count_collectives):
+    """count_collectives, plus a per-name summary of the tensor collectives."""
 
     def __enter__(self):
-        self.calls = []
-        self._saved = {}
-        for name in _COLLECTIVES:
-            fn = getattr(dist, name, None)
-            if fn is None:
-                continue
-            self._saved[name] = fn
-
-            def wrapper(*args, _name=name, _fn=fn, **kwargs):
-                numel = sum(a.numel() for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor))
-                self.calls.append((_name, numel))
-                return _fn(*args, **kwargs)
-
-            setattr(dist, name, wrapper)
+        super().__enter__()
         return self
-
-    def __exit__(self, *exc):
-        for name, fn in self._saved.items():
-            setattr(dist, name, fn)
-        return False
 
     def summary(self):
         tensor_calls = [(n, k) for n, k in self.calls if n not in ("barrier",)]

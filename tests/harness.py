@@ -3,66 +3,13 @@ and a single-process reference trainer that averages exactly as MatrixFSDP does.
 
 from __future__ import annotations
 
-import os
-import socket
-import tempfile
-import traceback
-from typing import Callable, Dict, List, Optional
+from typing import Dict, List, Optional
 
 import torch
-import torch.multiprocessing as mp
+
+from megatron_mfsdp.devtools import count_collectives, free_port, run_workers  # noqa: F401 (re-exported)
 
 VOCAB, SEQ, MBS = 96, 16, 2
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _entry(rank, world_size, port, fn, args, out_dir):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
-    torch.set_num_threads(1)
-    import torch.distributed as dist
-    from datetime import timedelta
-
-    try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=120))
-        result = fn(rank, world_size, *args)
-        torch.save(result, os.path.join(out_dir, f"result{rank}.pt"))
-    except BaseException:
-        with open(os.path.join(out_dir, f"error{rank}.txt"), "w") as f:
-            f.write(traceback.format_exc())
-        raise
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
-def run_workers(world_size: int, fn: Callable, *args, timeout: float = 600) -> List:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo processes; return
-    each rank's result, or raise with the first rank's traceback."""
-    ctx = mp.get_context("spawn")
-    with tempfile.TemporaryDirectory() as out_dir:
-        port = free_port()
-        procs = [ctx.Process(target=_entry, args=(r, world_size, port, fn, args, out_dir))
-                 for r in range(world_size)]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(timeout)
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-        errors = sorted(f for f in os.listdir(out_dir) if f.startswith("error"))
-        if errors:
-            with open(os.path.join(out_dir, errors[0])) as f:
-                raise RuntimeError(f"worker failed ({errors[0]}):\n{f.read()}")
-        if any(p.exitcode != 0 for p in procs):
-            raise RuntimeError(f"worker exit codes {[p.exitcode for p in procs]}")
-        return [torch.load(os.path.join(out_dir, f"result{r}.pt"), weights_only=False) for r in range(world_size)]
 
 
 def init_megatron(tp: int = 1, pp: int = 1, vp: Optional[int] = None) -> None:
@@ -199,39 +146,3 @@ def assemble_optimizer_state(rank_states: List[Dict], shapes: Dict[str, tuple]) 
                 flat = full.setdefault(name, {}).setdefault(k, torch.full((numel,), float("nan")))
                 flat[offset: offset + v.numel()] = v.reshape(-1)
     return full
-
-
-COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter",
-               "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "reduce", "gather", "scatter",
-               "send", "recv", "isend", "irecv", "batch_isend_irecv", "all_gather_object",
-               "broadcast_object_list", "barrier", "all_reduce_coalesced")
-
-
-class count_collectives:
-    """Record every torch.distributed collective (name, elements moved) made inside the block."""
-
-    def __enter__(self):
-        import torch.distributed as dist
-
-        self.calls = []
-        self._saved = {}
-        for name in COLLECTIVES:
-            fn = getattr(dist, name, None)
-            if fn is None:
-                continue
-            self._saved[name] = fn
-
-            def wrapper(*args, _name=name, _fn=fn, **kwargs):
-                numel = sum(a.numel() for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor))
-                self.calls.append((_name, numel))
-                return _fn(*args, **kwargs)
-
-            setattr(dist, name, wrapper)
-        return self.calls
-
-    def __exit__(self, *exc):
-        import torch.distributed as dist
-
-        for name, fn in self._saved.items():
-            setattr(dist, name, fn)
-        return False

@@ -7,7 +7,7 @@ same through the command line."""
 import pytest
 import torch
 
-from tests.harness import (count_collectives, init_megatron, lm_loss, micro_batch, optimizer_config,
+from tests.harness import (count_collectives, init_megatron, micro_batch, optimizer_config,
                            reference_train, run_workers, tiny_gpt)
 from tests.test_pretrain import TINY, losses, run_pretrain
 
@@ -16,8 +16,6 @@ NS_STEPS = 5
 
 
 def _forward_step(data_iterator, model):
-    from functools import partial
-
     tokens = next(data_iterator)
     positions = torch.arange(tokens.shape[1]).expand_as(tokens)
     output = model(tokens, positions, None, labels=tokens)
