@@ -2,9 +2,10 @@
 
 megatron-core creates some tensors with ``device='cuda'`` or
 ``torch.cuda.current_device()`` (grad scalers, pipeline p2p buffers, timers) and
-calls ``torch.cuda.synchronize``/``current_stream``. On a machine without CUDA,
-:func:`cuda_on_cpu` rewrites those device arguments to the CPU and turns the
-stream calls into no-ops for the duration of a block. With CUDA present it does
+calls ``torch.cuda.synchronize``/``current_stream`` and the CUDA RNG tracker's
+``fork``. On a machine without CUDA, :func:`cuda_on_cpu` rewrites those device
+arguments to the CPU and turns the stream calls and the fork into no-ops for the
+duration of a block. With CUDA present it does
 nothing, so GPU runs use megatron-core unchanged.
 """
 
@@ -61,9 +62,17 @@ def cuda_on_cpu() -> Iterator[None]:
     torch.cuda.current_device = lambda: "cpu"
     torch.cuda.synchronize = lambda *a, **k: None
     torch.cuda.current_stream = lambda *a, **k: _NullStream()
+    # The CUDA RNG tracker (forked around dropout in sequence-parallel regions) has no
+    # CPU states: there dropout draws from the CPU generator instead.
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    tracker = get_cuda_rng_tracker()
+    saved_fork = tracker.fork
+    tracker.fork = lambda *a, **k: contextlib.nullcontext()
     try:
         with _CudaToCpu():
             yield
     finally:
         for name, fn in saved.items():
             setattr(torch.cuda, name, fn)
+        tracker.fork = saved_fork

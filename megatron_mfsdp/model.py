@@ -79,22 +79,48 @@ class SDPAttention(MegatronModule):
         return context.permute(2, 0, 1, 3).reshape(seq, batch, self.heads_per_partition * self.head_dim)
 
 
+class SequenceParallelNorm:
+    """megatron-core's torch-norm fallback (``WrappedTorchNorm``) refuses sequence
+    parallelism, although a plain LayerNorm/RMSNorm is all it needs: each TP rank
+    normalizes its part of the sequence, and the weight gradients are summed over TP.
+    This builds the torch norm and marks its parameters ``sequence_parallel`` (the
+    attribute megatron uses, which the MatrixFSDP runtime honours)."""
+
+    def __new__(cls, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **unused):
+        if config.layernorm_zero_centered_gamma:
+            raise ValueError("zero-centered gamma needs Transformer Engine or Apex norms")
+        norm_cls = torch.nn.RMSNorm if config.normalization == "RMSNorm" else torch.nn.LayerNorm
+        norm = norm_cls(normalized_shape=hidden_size, eps=eps)
+        for param in norm.parameters():
+            param.sequence_parallel = config.sequence_parallel
+        return norm
+
+
 def _tp_size() -> int:
     from megatron.core import parallel_state
 
     return parallel_state.get_tensor_model_parallel_world_size()
 
 
-def gpt_layer_spec(normalization: str = "LayerNorm", use_transformer_engine: Optional[bool] = None) -> ModuleSpec:
-    """megatron-core's GPT layer spec: TE on a GPU when available, else the
-    local spec with SDPA core attention."""
+def gpt_layer_spec(config: TransformerConfig, use_transformer_engine: Optional[bool] = None,
+                   vp_stage: Optional[int] = None):
+    """megatron-core's GPT spec: the TE layer spec on a GPU when available; else the
+    local spec with SDPA core attention and, for sequence parallelism, norms that
+    support it (as a block spec, since the final norm comes from the block)."""
     if use_transformer_engine is None:
         use_transformer_engine = HAVE_TE
     if use_transformer_engine:
         return get_gpt_layer_with_transformer_engine_spec()
-    spec = get_gpt_layer_local_spec(normalization=normalization)
+    spec = get_gpt_layer_local_spec(normalization=config.normalization)
     spec.submodules.self_attention.submodules.core_attention = SDPAttention
-    return spec
+    if not config.sequence_parallel:
+        return spec
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+
+    spec.submodules.input_layernorm = SequenceParallelNorm
+    spec.submodules.pre_mlp_layernorm = SequenceParallelNorm
+    layers = get_num_layers_to_build(config, vp_stage=vp_stage)
+    return TransformerBlockSubmodules(layer_specs=[spec] * layers, layer_norm=SequenceParallelNorm)
 
 
 def build_gpt_model(
@@ -124,7 +150,7 @@ def _gpt_model(config, vocab_size, max_sequence_length, position_embedding_type,
                vp_stage):
     return GPTModel(
         config=config,
-        transformer_layer_spec=gpt_layer_spec(config.normalization, use_transformer_engine),
+        transformer_layer_spec=gpt_layer_spec(config, use_transformer_engine, vp_stage),
         vocab_size=vocab_size,
         max_sequence_length=max_sequence_length,
         pre_process=pre_process,

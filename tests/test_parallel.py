@@ -145,6 +145,8 @@ def test_memory_per_rank_falls_with_dp_shard_size_at_tp2():
 LAYOUTS = {
     "tp2 x dp2 distributed": (4, ["--tensor-model-parallel-size", "2", "--muon-tp-mode", "distributed"]),
     "tp2 x dp2 duplicated": (4, ["--tensor-model-parallel-size", "2", "--muon-tp-mode", "duplicated"]),
+    "tp2 x dp2 distributed sequence-parallel": (4, ["--tensor-model-parallel-size", "2", "--muon-tp-mode",
+                                                    "distributed", "--sequence-parallel"]),
     "pp2 x dp2": (4, ["--pipeline-model-parallel-size", "2"]),
     "tp2 x pp2 x dp2 distributed": (8, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size",
                                         "2", "--muon-tp-mode", "distributed"]),

@@ -151,11 +151,7 @@ def validate_args(args: argparse.Namespace) -> None:
         args.virtual_pipeline_model_parallel_size = args.num_layers // pp // per_vp
     if args.sequence_parallel and args.tensor_model_parallel_size == 1:
         args.sequence_parallel = False  # megatron-LM drops it silently too
-    import torch
 
-    if args.sequence_parallel and not torch.cuda.is_available():
-        raise ValueError("--sequence-parallel needs Transformer Engine or Apex norms (a GPU): megatron-core's "
-                         "torch LayerNorm fallback rejects sequence parallelism")
     model_parallel = args.tensor_model_parallel_size * args.pipeline_model_parallel_size
     if args.world_size % model_parallel:
         raise ValueError(f"world size {args.world_size} is not divisible by --tensor-model-parallel-size x "
