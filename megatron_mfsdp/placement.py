@@ -160,6 +160,7 @@ class Plan:
     world_size: int
     policy: str
     units: List[UnitLayout]
+    ns_cost_per_rank: List[int]  # Newton-Schulz cost of each rank's owned matrices
     element_size: int = 4
 
     def digest(self) -> str:
@@ -170,15 +171,12 @@ class Plan:
         return hashlib.sha256(payload.encode()).hexdigest()
 
     def per_rank_load(self) -> Tuple[List[int], List[int]]:
-        """(owned elements, Newton-Schulz cost) per rank; the cost is that of the
-        matrices as costed by the planner (stored on the slots' specs)."""
+        """(owned elements, Newton-Schulz cost) per rank."""
         elements = [0] * self.world_size
         for unit in self.units:
             for r in range(self.world_size):
                 elements[r] += unit.segment_numel(r)
-        return elements, list(self._ns_cost)
-
-    _ns_cost: List[int] = field(default_factory=list)
+        return elements, list(self.ns_cost_per_rank)
 
     def report(self) -> str:
         """A printable table: owned bytes and Newton-Schulz flops per rank, with max/mean."""
@@ -249,7 +247,7 @@ def _layout_units(units: Sequence[UnitSpec], world_size: int, owners: Dict[str, 
         tail_numel = offset - matrix_numel
         layouts.append(UnitLayout(index, unit.name, world_size, slots, matrix_numel, tail_numel,
                                   bounds, _even_bounds(tail_numel, world_size)))
-    return Plan(world_size, policy, layouts, _ns_cost=ns_cost)
+    return Plan(world_size, policy, layouts, ns_cost)
 
 
 def plan_units(units: Sequence[UnitSpec], world_size: int, policy: str = "auto") -> Plan:
