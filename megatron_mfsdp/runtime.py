@@ -254,7 +254,7 @@ class MatrixFSDP(torch.nn.Module):
     def no_sync(self):
         """Accepted for megatron's schedules. ZeRO-3 keeps no full gradients, so
         gradients are still reduced after every micro-batch (into the owners'
-        fp32 accumulators); the result equals deferring the sync."""
+        fp32 accumulators): the same sum as deferring the sync, added per micro-batch."""
         yield
 
     def start_grad_sync(self, *unused) -> None:
