@@ -93,6 +93,16 @@ class MuonHyper:
         self.beta1, self.beta2, self.eps = cfg.adam_beta1, cfg.adam_beta2, cfg.adam_eps
 
 
+def _adamw_tail(tail, h: MuonHyper, step_count: int) -> None:
+    """The AdamW part both baselines share: every tail tensor they hold, elementwise."""
+    from megatron_mfsdp.optimizer import adamw_step_
+
+    b1, b2 = h.beta1, h.beta2
+    for t in tail:
+        adamw_step_(t["param"], t["grad"], t["m"], t["v"], lr=h.lr, weight_decay=t["wd"], beta1=b1, beta2=b2,
+                    eps=h.eps, bias_correction1=1 - b1 ** step_count, bias_correction2=1 - b2 ** step_count)
+
+
 def _orthogonalized(direction, shape, qkv_rows, h: MuonHyper):
     """(update, alpha) exactly as muon_step_ forms them."""
     from megatron_mfsdp.muon import muon_orthogonalized_update, newton_schulz, update_scale
@@ -120,7 +130,6 @@ class ReplicatedMuon:
     @torch.no_grad()
     def step(self):
         from megatron_mfsdp.muon import muon_step_
-        from megatron_mfsdp.optimizer import adamw_step_
 
         h = self.h
         self.step_count += 1
@@ -133,11 +142,7 @@ class ReplicatedMuon:
                        nesterov=h.nesterov, ns_steps=h.ns_steps, coefficients=h.coefficients,
                        ns_dtype=h.ns_dtype, scale_mode=h.scale_mode, extra_scale_factor=h.extra_scale,
                        qkv_split_shapes=t["qkv"])
-        b1, b2 = h.beta1, h.beta2
-        for t in self.tail:
-            adamw_step_(t["param"], t["grad"], t["m"], t["v"], lr=h.lr, weight_decay=t["wd"], beta1=b1,
-                        beta2=b2, eps=h.eps, bias_correction1=1 - b1 ** self.step_count,
-                        bias_correction2=1 - b2 ** self.step_count)
+        _adamw_tail(self.tail, h, self.step_count)
         return grad_norm
 
     def full_params(self):
@@ -188,8 +193,6 @@ class ReconstructionMuon:
 
     @torch.no_grad()
     def step(self):
-        from megatron_mfsdp.optimizer import adamw_step_
-
         h = self.h
         self.step_count += 1
         sumsq = torch.zeros(1, dtype=torch.float64)
@@ -218,11 +221,7 @@ class ReconstructionMuon:
             p = t["param"][: t["valid"]]
             p.mul_(1 - h.lr * h.wd)
             p.add_(local, alpha=alpha)
-        b1, b2 = h.beta1, h.beta2
-        for t in self.tail:
-            adamw_step_(t["param"], t["grad"], t["m"], t["v"], lr=h.lr, weight_decay=t["wd"], beta1=b1,
-                        beta2=b2, eps=h.eps, bias_correction1=1 - b1 ** self.step_count,
-                        bias_correction2=1 - b2 ** self.step_count)
+        _adamw_tail(self.tail, h, self.step_count)
         return grad_norm
 
     def full_params(self):

@@ -37,8 +37,10 @@ def main() -> None:
 
     import torch.distributed as dist
 
+    from megatron_mfsdp.devtools import free_port
+
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29533")
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
     dist.init_process_group("gloo", rank=0, world_size=1)
     from megatron.core import parallel_state
 
