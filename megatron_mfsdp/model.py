@@ -148,7 +148,7 @@ def build_gpt_model(
 def _gpt_model(config, vocab_size, max_sequence_length, position_embedding_type,
                share_embeddings_and_output_weights, pre_process, post_process, use_transformer_engine,
                vp_stage):
-    return GPTModel(
+    model = GPTModel(
         config=config,
         transformer_layer_spec=gpt_layer_spec(config, use_transformer_engine, vp_stage),
         vocab_size=vocab_size,
@@ -159,6 +159,13 @@ def _gpt_model(config, vocab_size, max_sequence_length, position_embedding_type,
         position_embedding_type=position_embedding_type,
         vp_stage=vp_stage,
     )
+    # Megatron-LM's Float16Module casts the whole model (norms included) to the
+    # training dtype; MatrixFSDP keeps one dtype per chunk, so do the same here.
+    if config.fp16:
+        model.half()
+    elif config.bf16:
+        model.bfloat16()
+    return model
 
 
 def tiny_gpt_config(**overrides) -> TransformerConfig:

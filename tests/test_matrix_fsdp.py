@@ -156,3 +156,41 @@ def test_ranks_with_different_plans_or_collectives_raise_instead_of_hanging():
     for errors in run_workers(2, _mismatch_worker):
         assert "different placement plans" in errors["plan"]
         assert "collective mismatch" in errors["collective"] and "gather unit 1" in errors["collective"]
+
+
+def _fp16_worker(rank, world_size):
+    from megatron_mfsdp.config import MatrixFSDPConfig
+    from megatron_mfsdp.optimizer import get_megatron_optimizer
+    from megatron_mfsdp.runtime import MatrixFSDP
+
+    init_megatron()
+    config, model = tiny_gpt(params_dtype=torch.float16, fp16=True)
+    ddp = MatrixFSDP(config, MatrixFSDPConfig(), model)
+    opt = get_megatron_optimizer(optimizer_config(fp16=True, initial_loss_scale=1024.0, hysteresis=1), [ddp])
+    before = [u.param_segment.clone() for u in ddp.units]
+
+    def fill_scaled_grads(poison: bool):
+        for u in ddp.units:
+            u.grad_segment.fill_(1024.0 * 1e-3)  # as if the loss had been scaled by 1024
+        if poison:
+            ddp.units[0].grad_segment[0] = float("inf")
+
+    fill_scaled_grads(poison=rank == 1)  # one rank overflows: every rank must skip
+    skipped = opt.step()
+    scale_after_skip = opt.get_loss_scale().item()
+    unchanged = all(torch.equal(a, u.param_segment) for a, u in zip(before, ddp.units))
+    opt.zero_grad()
+    fill_scaled_grads(poison=False)
+    success, norm, _ = opt.step()
+    changed = any(not torch.equal(a, u.param_segment) for a, u in zip(before, ddp.units))
+    return {"skipped": skipped, "scale": scale_after_skip, "unchanged": unchanged, "success": success,
+            "norm": norm, "changed": changed, "masters": opt.local_bytes()["masters"],
+            "dtype": str(ddp.units[0].param_segment.dtype)}
+
+
+def test_fp16_loss_scaling_skips_on_inf_on_any_rank_and_keeps_fp32_masters():
+    for r in run_workers(2, _fp16_worker):
+        assert r["dtype"] == "torch.float16" and r["masters"] > 0
+        assert r["skipped"] == (False, None, None) and r["unchanged"]
+        assert r["scale"] == 512.0  # backed off once (hysteresis 1)
+        assert r["success"] and r["changed"] and r["norm"] > 0

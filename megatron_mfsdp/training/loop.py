@@ -251,7 +251,8 @@ def pretrain(args) -> Dict[str, List]:
             _log_iteration(args, iteration, elapsed, optimizer.param_groups[0]["lr"],
                            interval_loss / interval_count, optimizer.get_loss_scale().item(),
                            grad_norm, skipped, nans, interval_step_ms / interval_count)
-            interval_loss, interval_count, interval_step_ms = 0.0, 0, 0.0
+            # Like Megatron-LM, the counts are per logging interval.
+            interval_loss, interval_count, interval_step_ms, skipped, nans = 0.0, 0, 0.0, 0, 0
             interval_start = time.perf_counter()
         if args.eval_interval and (iteration % args.eval_interval == 0 or iteration == args.train_iters):
             valid = evaluate(args, chunks, valid_ds, iteration // args.eval_interval)
