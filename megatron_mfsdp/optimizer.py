@@ -98,6 +98,10 @@ class MatrixFSDPOptimizer(MegatronOptimizer):
                     shape = slot.shape if muon else (piece.numel,)
                     param = params[slot.name]
                     tp_split = bool(getattr(param, "tensor_model_parallel", False))
+                    if muon and tp_split and config.muon_tp_mode != "blockwise" \
+                            and getattr(param, "partition_dim", None) not in (0, 1):
+                        raise ValueError(f"--muon-tp-mode {config.muon_tp_mode}: {slot.name} is tensor-parallel "
+                                         "but its split dimension (partition_dim) is unknown; use blockwise")
                     owned = OwnedPiece(slot.name, piece.param_offset, master[seg].view(shape),
                                        unit.grad_segment[seg].view(shape),
                                        partition_dim=getattr(param, "partition_dim", 0) if tp_split else None,
