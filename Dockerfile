@@ -7,8 +7,8 @@ WORKDIR /workspace/megatron-mfsdp
 COPY pyproject.toml README.md ./
 COPY megatron_mfsdp ./megatron_mfsdp
 # The image's torch (CUDA build) satisfies torch>=2.4, so pip keeps it; megatron-core comes
-# from PyPI. Transformer Engine and Apex are already in the image: never `pip install apex`
-# (that PyPI name is an unrelated package).
+# from PyPI. Transformer Engine and NVIDIA Apex are already in the image; Apex is never
+# taken from PyPI (the PyPI package of that name is an unrelated project).
 RUN pip install --no-cache-dir -e .
 COPY pretrain_gpt.py ./
 COPY tools ./tools

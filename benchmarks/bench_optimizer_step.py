@@ -103,6 +103,14 @@ def _adamw_tail(tail, h: MuonHyper, step_count: int) -> None:
                     eps=h.eps, bias_correction1=1 - b1 ** step_count, bias_correction2=1 - b2 ** step_count)
 
 
+def _baseline_bytes(matrices, tail) -> dict:
+    """Persistent bytes of a baseline's tensors (fp32 params are their own masters)."""
+    ts = matrices + tail
+    return {"params": sum(t["param"].nbytes for t in ts), "grads": sum(t["grad"].nbytes for t in ts),
+            "masters": 0,
+            "optimizer_state": sum(t["buf"].nbytes for t in matrices) + sum(t["m"].nbytes + t["v"].nbytes for t in tail)}
+
+
 def _orthogonalized(direction, shape, qkv_rows, h: MuonHyper):
     """(update, alpha) exactly as muon_step_ forms them."""
     from megatron_mfsdp.muon import muon_orthogonalized_update, newton_schulz, update_scale
@@ -149,11 +157,7 @@ class ReplicatedMuon:
         return {t["name"]: t["param"] for t in self.matrices} | {t["name"]: t["param"] for t in self.tail}
 
     def local_bytes(self):
-        ts = self.matrices + self.tail
-        return {"params": sum(t["param"].nbytes for t in ts), "grads": sum(t["grad"].nbytes for t in ts),
-                "masters": 0,
-                "optimizer_state": sum(t["buf"].nbytes for t in self.matrices)
-                + sum(t["m"].nbytes + t["v"].nbytes for t in self.tail)}
+        return _baseline_bytes(self.matrices, self.tail)
 
 
 def _shard(full: torch.Tensor, rank: int, world: int):
@@ -234,11 +238,7 @@ class ReconstructionMuon:
         return out
 
     def local_bytes(self):
-        ts = self.matrices + self.tail
-        return {"params": sum(t["param"].nbytes for t in ts), "grads": sum(t["grad"].nbytes for t in ts),
-                "masters": 0,
-                "optimizer_state": sum(t["buf"].nbytes for t in self.matrices)
-                + sum(t["m"].nbytes + t["v"].nbytes for t in self.tail)}
+        return _baseline_bytes(self.matrices, self.tail)
 
 
 # --------------------------------------------------------------------------- worker
