@@ -23,6 +23,7 @@ from megatron.core.optimizer import MegatronOptimizer
 from .config import MatrixFSDPOptimizerConfig
 from .cpu_compat import cuda_on_cpu
 from .tp_muon import tp_muon_step_
+from .model import global_parameter_names
 from .placement import MUON, qkv_block_rows
 from .runtime import MatrixFSDP
 
@@ -34,7 +35,9 @@ class OwnedPiece:
     """One parameter's part in this rank's segment, with its optimizer state.
     For a Muon matrix the part is the whole matrix (views are 2D)."""
 
-    name: str
+    name: str  # the parameter's name in its model chunk
+    global_name: str  # its name in the unsplit model: unique across virtual and pipeline stages
+    param_numel: int  # elements of the whole (TP-local) parameter
     param_offset: int
     master: torch.Tensor  # fp32, a view into the master segment
     grad: torch.Tensor  # fp32, a view into the gradient segment
@@ -45,7 +48,7 @@ class OwnedPiece:
 
     @property
     def key(self) -> str:
-        return f"{self.name}@{self.param_offset}"
+        return f"{self.global_name}@{self.param_offset}"
 
 
 class _ShardOptimizerState:
@@ -84,6 +87,7 @@ class MatrixFSDPOptimizer(MegatronOptimizer):
         }
         self._masters: List[Tuple[torch.Tensor, torch.Tensor]] = []  # (model segment, fp32 master)
         for chunk in model_chunks:
+            global_names = global_parameter_names(chunk.module)
             qkv_rows = qkv_block_rows(chunk.config) if config.muon_split_qkv else None
             primary_replica = chunk.replica_group is None or dist.get_rank(chunk.replica_group) == 0
             for unit in chunk.units:
@@ -102,7 +106,8 @@ class MatrixFSDPOptimizer(MegatronOptimizer):
                             and getattr(param, "partition_dim", None) not in (0, 1):
                         raise ValueError(f"--muon-tp-mode {config.muon_tp_mode}: {slot.name} is tensor-parallel "
                                          "but its split dimension (partition_dim) is unknown; use blockwise")
-                    owned = OwnedPiece(slot.name, piece.param_offset, master[seg].view(shape),
+                    owned = OwnedPiece(slot.name, global_names[slot.name], slot.numel, piece.param_offset,
+                                       master[seg].view(shape),
                                        unit.grad_segment[seg].view(shape),
                                        partition_dim=getattr(param, "partition_dim", 0) if tp_split else None,
                                        in_grad_norm=primary_replica and (tp_split or tp_rank == 0)
@@ -242,7 +247,7 @@ class MatrixFSDPOptimizer(MegatronOptimizer):
 
     def state_dict(self):
         """This rank's optimizer state: masters and moments of the pieces it owns,
-        keyed by parameter name and offset, plus the layout digest they belong to."""
+        keyed by global parameter name and offset, plus the layout digest they belong to."""
         return {
             "layout_digest": self._layout_digest(),
             "step": self.step_count,
@@ -281,22 +286,14 @@ class MatrixFSDPOptimizer(MegatronOptimizer):
         the tensors of this dict in place; call ``reload_model_params``-like syncs after."""
         from megatron.core.dist_checkpointing import ShardedObject, ShardedTensor
 
-        names = {}
-        for chunk in self.model_chunks:
-            from .model import global_parameter_names
-
-            names.update(global_parameter_names(chunk.module))
         sharded = {}
         for _, owned in self._pieces():
-            numel = 1
-            for dim in self._full_shape(owned.name):
-                numel *= dim
             for tag, tensor in [("master", owned.master)] + sorted(owned.state.items()):
                 flat = tensor.view(-1)
                 sharded[f"{tag}.{owned.key}"] = ShardedTensor(
-                    key=f"optimizer.{tag}.{names.get(owned.name, owned.name)}", data=flat, dtype=flat.dtype,
-                    local_shape=(flat.numel(),), global_shape=(numel,), global_offset=(owned.param_offset,),
-                    axis_fragmentations=None)
+                    key=f"optimizer.{tag}.{owned.global_name}", data=flat, dtype=flat.dtype,
+                    local_shape=(flat.numel(),), global_shape=(owned.param_numel,),
+                    global_offset=(owned.param_offset,), axis_fragmentations=None)
         sharded["step"] = ShardedObject("optimizer.step", self.step_count, (1,), (0,),
                                         replica_id=dist.get_rank())
         return sharded
@@ -313,14 +310,6 @@ class MatrixFSDPOptimizer(MegatronOptimizer):
                 if model_segment is not master:
                     model_segment.copy_(master)
         self.step_count = loaded["step"]
-
-    def _full_shape(self, name: str):
-        for chunk in self.model_chunks:
-            for unit in chunk.plan.units:
-                for slot in unit.slots:
-                    if slot.name == name:
-                        return slot.shape
-        raise KeyError(name)
 
     def local_bytes(self) -> Dict[str, int]:
         """Bytes this rank holds for the optimizer (masters beyond fp32 params, states)."""

@@ -174,10 +174,15 @@ def test_pretrain_pp2_interleaved_virtual_stages_dp2_matches_1x1x1(tmp_path):
     """Interleaved 1F1B: 4 layers as 2 pipeline ranks x 2 virtual stages of 1 layer."""
     flags = [*TINY, "--use-matrix-fsdp", "--eval-interval", "0", "--num-layers", "4"]
     reference = losses(run_pretrain(1, *flags, tmp_path=tmp_path).stdout)
-    proc = run_pretrain(4, *flags, "--pipeline-model-parallel-size", "2",
-                        "--num-layers-per-virtual-pipeline-stage", "1", tmp_path=tmp_path)
+    layout = ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"]
+    save = tmp_path / "ckpt"
+    proc = run_pretrain(4, *flags, *layout, "--save", str(save), "--save-interval", "3", tmp_path=tmp_path)
     got = losses(proc.stdout)
     worst = max(abs(a - b) for a, b in zip(got, reference))
     print(f"\npp2 x vp2 x dp2: max lm loss delta vs 1x1x1 = {worst:.2e}")
     assert "pipeline stage 1, virtual stage 1" in proc.stdout
     assert len(got) == len(reference) == 5 and worst <= 1e-5
+    # Both virtual stages have a 'decoder.layers.0...': their optimizer state must not collide.
+    (save / "latest_checkpointed_iteration.txt").write_text("3")
+    resumed = run_pretrain(4, *flags, *layout, "--load", str(save), tmp_path=tmp_path)
+    assert losses(resumed.stdout) == got[3:]
