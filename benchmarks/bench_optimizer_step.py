@@ -37,254 +37,72 @@ Run from the repository root:
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import statistics
 import sys
 import time
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if REPO_ROOT not in sys.path:
-    sys.path.insert(0, REPO_ROOT)
+import torch
+import torch.distributed as dist
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-
-from megatron_mfsdp.devtools import count_collectives, run_workers  # noqa: E402
+from megatron_mfsdp.optim.muon import NS_DTYPES, newton_schulz, scaled_update
+from megatron_mfsdp.placement import POLICIES
+from megatron_mfsdp.testing import count_collectives, run_workers
+from megatron_mfsdp.testing.baselines import MuonHyper, ReconstructionMuon, ReplicatedMuon
 
 METHODS = ("ours", "recon", "replicated")
-_NS_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
 # --------------------------------------------------------------------------- helpers
 def spawn(world_size: int, threads: int, fn, *args, timeout: float = 1800):
     """Rank 0's result of ``fn`` run on ``world_size`` gloo processes."""
-    return run_workers(world_size, fn, *args, threads=threads, timeout=timeout)[0]
-
-
-class CollectiveCounter(count_collectives):
-    """count_collectives, plus a per-name summary of the tensor collectives."""
-
-    def __enter__(self):
-        super().__enter__()
-        return self
-
-    def summary(self):
-        tensor_calls = [(n, k) for n, k in self.calls if n not in ("barrier",)]
-        by_name = {}
-        for n, k in tensor_calls:
-            c, e = by_name.get(n, (0, 0))
-            by_name[n] = (c + 1, e + k)
-        return len(tensor_calls), by_name
-
-
-# --------------------------------------------------------------------------- baselines
-class MuonHyper:
-    def __init__(self, cfg):
-        self.lr = cfg.lr
-        self.wd = cfg.weight_decay
-        self.momentum = cfg.muon_momentum
-        self.nesterov = cfg.muon_use_nesterov
-        self.ns_steps = cfg.muon_num_ns_steps
-        self.coefficients = cfg.muon_coefficients
-        self.ns_dtype = _NS_DTYPES[cfg.muon_ns_dtype]
-        self.scale_mode = cfg.muon_scale_mode
-        self.extra_scale = cfg.muon_extra_scale_factor
-        self.beta1, self.beta2, self.eps = cfg.adam_beta1, cfg.adam_beta2, cfg.adam_eps
-
-
-def _adamw_tail(tail, h: MuonHyper, step_count: int) -> None:
-    """The AdamW part both baselines share: every tail tensor they hold, elementwise."""
-    from megatron_mfsdp.optimizer import adamw_step_
-
-    b1, b2 = h.beta1, h.beta2
-    for t in tail:
-        adamw_step_(t["param"], t["grad"], t["m"], t["v"], lr=h.lr, weight_decay=t["wd"], beta1=b1, beta2=b2,
-                    eps=h.eps, bias_correction1=1 - b1 ** step_count, bias_correction2=1 - b2 ** step_count)
-
-
-def _baseline_bytes(matrices, tail) -> dict:
-    """Persistent bytes of a baseline's tensors (fp32 params are their own masters)."""
-    ts = matrices + tail
-    return {"params": sum(t["param"].nbytes for t in ts), "grads": sum(t["grad"].nbytes for t in ts),
-            "masters": 0,
-            "optimizer_state": sum(t["buf"].nbytes for t in matrices) + sum(t["m"].nbytes + t["v"].nbytes for t in tail)}
-
-
-def _orthogonalized(direction, shape, qkv_rows, h: MuonHyper):
-    """(update, alpha) exactly as muon_step_ forms them."""
-    from megatron_mfsdp.muon import muon_orthogonalized_update, newton_schulz, update_scale
-
-    if qkv_rows is None:
-        update = newton_schulz(direction, h.ns_steps, h.coefficients, h.ns_dtype)
-        return update, -h.lr * update_scale(shape, h.scale_mode, h.extra_scale)
-    update = muon_orthogonalized_update(direction, ns_steps=h.ns_steps, coefficients=h.coefficients,
-                                        ns_dtype=h.ns_dtype, scale_mode=h.scale_mode,
-                                        extra_scale_factor=h.extra_scale, qkv_split_shapes=qkv_rows)
-    return update, -h.lr
-
-
-class ReplicatedMuon:
-    """Every rank: full params, full (already reduced) grads, full state; no communication."""
-
-    def __init__(self, matrices, tail, h: MuonHyper):
-        self.h = h
-        self.step_count = 0
-        self.matrices = [dict(name=n, shape=s, qkv=q, param=p.clone(), grad=g.clone(),
-                              buf=torch.zeros_like(p)) for n, s, q, p, g in matrices]
-        self.tail = [dict(name=n, wd=wd, param=p.reshape(-1).clone(), grad=g.reshape(-1).clone(),
-                          m=torch.zeros(p.numel()), v=torch.zeros(p.numel())) for n, wd, p, g in tail]
-
-    @torch.no_grad()
-    def step(self):
-        from megatron_mfsdp.muon import muon_step_
-
-        h = self.h
-        self.step_count += 1
-        sumsq = torch.zeros((), dtype=torch.float64)
-        for t in self.matrices + self.tail:
-            sumsq += t["grad"].double().square().sum()
-        grad_norm = math.sqrt(sumsq.item())
-        for t in self.matrices:
-            muon_step_(t["param"], t["grad"], t["buf"], lr=h.lr, weight_decay=h.wd, momentum=h.momentum,
-                       nesterov=h.nesterov, ns_steps=h.ns_steps, coefficients=h.coefficients,
-                       ns_dtype=h.ns_dtype, scale_mode=h.scale_mode, extra_scale_factor=h.extra_scale,
-                       qkv_split_shapes=t["qkv"])
-        _adamw_tail(self.tail, h, self.step_count)
-        return grad_norm
-
-    def full_params(self):
-        return {t["name"]: t["param"] for t in self.matrices} | {t["name"]: t["param"] for t in self.tail}
-
-    def local_bytes(self):
-        return _baseline_bytes(self.matrices, self.tail)
-
-
-def _shard(full: torch.Tensor, rank: int, world: int):
-    """This rank's even flat shard (padded to a multiple of W) and its number of real elements."""
-    flat = full.reshape(-1)
-    per = -(-flat.numel() // world)
-    lo, hi = min(rank * per, flat.numel()), min((rank + 1) * per, flat.numel())
-    shard = torch.zeros(per, dtype=full.dtype)
-    shard[: hi - lo].copy_(flat[lo:hi])
-    return shard, hi - lo
-
-
-class ReconstructionMuon:
-    """ZeRO-3 even shards; per matrix: all-gather the direction, Newton-Schulz on every rank,
-    keep the local slice. The AdamW tail is elementwise and needs no communication."""
-
-    def __init__(self, matrices, tail, h: MuonHyper, group, rank, world, prefetch=False):
-        self.h, self.group, self.rank, self.world, self.prefetch = h, group, rank, world, prefetch
-        self.step_count = 0
-        self.matrices = []
-        for n, s, q, p, g in matrices:
-            ps, valid = _shard(p, rank, world)
-            gs, _ = _shard(g, rank, world)
-            self.matrices.append(dict(name=n, shape=s, qkv=q, numel=p.numel(), param=ps, grad=gs,
-                                      buf=torch.zeros_like(ps), valid=valid))
-        self.tail = []
-        for n, wd, p, g in tail:
-            ps, valid = _shard(p, rank, world)
-            gs, _ = _shard(g, rank, world)
-            self.tail.append(dict(name=n, wd=wd, numel=p.numel(), param=ps, grad=gs,
-                                  m=torch.zeros_like(ps), v=torch.zeros_like(ps), valid=valid))
-
-    def _gather(self, t, direction):
-        full = torch.empty(t["param"].numel() * self.world, dtype=direction.dtype)
-        work = dist.all_gather_into_tensor(full, direction, group=self.group, async_op=self.prefetch)
-        return full, work
-
-    @torch.no_grad()
-    def step(self):
-        h = self.h
-        self.step_count += 1
-        sumsq = torch.zeros(1, dtype=torch.float64)
-        for t in self.matrices + self.tail:
-            sumsq += t["grad"].double().square().sum()
-        dist.all_reduce(sumsq, group=self.group)
-        grad_norm = math.sqrt(sumsq.item())
-
-        def direction(t):
-            t["buf"].lerp_(t["grad"], 1 - h.momentum)
-            return t["grad"].lerp(t["buf"], h.momentum) if h.nesterov else t["buf"]
-
-        pending = self._gather(self.matrices[0], direction(self.matrices[0])) if self.prefetch else None
-        for i, t in enumerate(self.matrices):
-            if self.prefetch:
-                full, work = pending
-                work.wait()
-                if i + 1 < len(self.matrices):
-                    nxt = self.matrices[i + 1]
-                    pending = self._gather(nxt, direction(nxt))
-            else:
-                full, _ = self._gather(t, direction(t))
-            update, alpha = _orthogonalized(full[: t["numel"]].view(t["shape"]), t["shape"], t["qkv"], h)
-            lo = self.rank * t["param"].numel()
-            local = update.reshape(-1)[lo: lo + t["valid"]]
-            p = t["param"][: t["valid"]]
-            p.mul_(1 - h.lr * h.wd)
-            p.add_(local, alpha=alpha)
-        _adamw_tail(self.tail, h, self.step_count)
-        return grad_norm
-
-    def full_params(self):
-        """Collective: all-gather every shard (for the correctness check only)."""
-        out = {}
-        for t in self.matrices + self.tail:
-            full = torch.empty(t["param"].numel() * self.world)
-            dist.all_gather_into_tensor(full, t["param"], group=self.group)
-            out[t["name"]] = full[: t["numel"]]
-        return out
-
-    def local_bytes(self):
-        return _baseline_bytes(self.matrices, self.tail)
+    return run_workers(world_size, fn, *args, threads=threads, timeout=timeout, fresh=True)[0]
 
 
 # --------------------------------------------------------------------------- worker
-def _gather_units(ddp, which: str):
-    """Full flat buffer of every unit, gathered from the owners' param or grad segments."""
-    from megatron_mfsdp.collectives import gather_unit_async
-
-    out = []
-    for state in ddp.units:
-        segment = state.param_segment if which == "param" else state.grad_segment
-        full = torch.empty(state.layout.numel, dtype=segment.dtype)
-        for work in gather_unit_async(state.layout, segment, full, ddp.dp_group, ddp.dp_rank):
-            work.wait()
-        out.append(full)
-    return out
-
-
 def _full_by_name(ddp, buffers):
-    return {slot.name: buf[slot.offset: slot.offset + slot.numel].view(slot.shape)
-            for state, buf in zip(ddp.units, buffers) for slot in state.layout.slots}
+    return {
+        slot.name: buf[slot.offset : slot.offset + slot.numel].view(slot.shape)
+        for state, buf in zip(ddp.units, buffers)
+        for slot in state.layout.slots
+    }
 
 
 def _worker(rank, world, a):
     from megatron.core import parallel_state
 
-    from megatron_mfsdp.config import MatrixFSDPConfig, MatrixFSDPOptimizerConfig
-    from megatron_mfsdp.model import build_gpt_model, tiny_gpt_config
-    from megatron_mfsdp.muon import newton_schulz
-    from megatron_mfsdp.optimizer import _no_weight_decay, get_megatron_optimizer
-    from megatron_mfsdp.placement import MUON, qkv_block_rows
-    from megatron_mfsdp.runtime import MatrixFSDP
+    from megatron_mfsdp import MatrixFSDP, MatrixFSDPConfig, MatrixFSDPOptimizerConfig, get_megatron_optimizer
+    from megatron_mfsdp.models.gpt import build_gpt_model
+    from megatron_mfsdp.optim.optimizer import no_weight_decay
+    from megatron_mfsdp.testing import tiny_gpt_config
 
     log = print if rank == 0 else (lambda *x, **k: None)
     parallel_state.initialize_model_parallel(1, 1)
     group = parallel_state.get_data_parallel_group()
 
     torch.manual_seed(a["seed"])
-    config = tiny_gpt_config(num_layers=a["num_layers"], hidden_size=a["hidden_size"],
-                             ffn_hidden_size=a["ffn_hidden_size"], num_attention_heads=a["num_attention_heads"],
-                             num_query_groups=a["num_query_groups"])
+    config = tiny_gpt_config(
+        num_layers=a["num_layers"],
+        hidden_size=a["hidden_size"],
+        ffn_hidden_size=a["ffn_hidden_size"],
+        num_attention_heads=a["num_attention_heads"],
+        num_query_groups=a["num_query_groups"],
+    )
     model = build_gpt_model(config, vocab_size=a["vocab_size"], max_sequence_length=a["seq_length"])
     ddp = MatrixFSDP(config, MatrixFSDPConfig(planner=a["planner"], muon_split_qkv=a["split_qkv"]), model)
-    opt_cfg = MatrixFSDPOptimizerConfig(lr=1e-2, min_lr=1e-2, weight_decay=0.1, clip_grad=0.0,
-                                        muon_ns_dtype=a["ns_dtype"], muon_num_ns_steps=a["ns_steps"],
-                                        muon_coefficients=a["coefficients"], muon_split_qkv=a["split_qkv"],
-                                        adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8)
+    opt_cfg = MatrixFSDPOptimizerConfig(
+        lr=1e-2,
+        min_lr=1e-2,
+        weight_decay=0.1,
+        clip_grad=0.0,
+        muon_ns_dtype=a["ns_dtype"],
+        muon_num_ns_steps=a["ns_steps"],
+        muon_coefficients=a["coefficients"],
+        muon_split_qkv=a["split_qkv"],
+        adam_beta1=0.9,
+        adam_beta2=0.95,
+        adam_eps=1e-8,
+    )
     opt = get_megatron_optimizer(opt_cfg, [ddp])
     hyper = MuonHyper(opt_cfg)
 
@@ -299,28 +117,28 @@ def _worker(rank, world, a):
     saved_grads = [state.grad_segment.clone() for state in ddp.units]
 
     # The same matrices, values and reduced gradients for the baselines, in model order.
-    full_params = _full_by_name(ddp, _gather_units(ddp, "param"))
-    full_grads = _full_by_name(ddp, _gather_units(ddp, "grad"))
-    qkv_rows = qkv_block_rows(config) if a["split_qkv"] else None
+    full_params = _full_by_name(ddp, ddp.gathered("param"))
+    full_grads = _full_by_name(ddp, ddp.gathered("grad"))
     matrices, tail = [], []
     for state in ddp.units:
-        kinds = {slot.name: slot.kind for slot in state.layout.slots}
+        slots = {slot.name: slot for slot in state.layout.slots}
         for name, _ in state.unit.params:
             p, gr = full_params[name], full_grads[name]
-            if kinds[name] == MUON:
-                q = qkv_rows if name.endswith("linear_qkv.weight") else None
-                matrices.append((name, tuple(p.shape), q, p, gr))
+            if slots[name].rule == "muon":
+                matrices.append((name, tuple(p.shape), slots[name].split_rows, p, gr))
             else:
-                tail.append((name, 0.0 if _no_weight_decay(name, p.shape) else hyper.wd, p, gr))
+                tail.append((name, 0.0 if no_weight_decay(name, p.shape) else hyper.wd, p, gr))
     for name, wd, _, _ in tail:  # the tail's decay groups must agree with ours
-        assert (wd == 0.0) == _no_weight_decay(name, full_params[name].shape)
+        assert (wd == 0.0) == no_weight_decay(name, full_params[name].shape)
     replicated = ReplicatedMuon(matrices, tail, hyper)
     recon = ReconstructionMuon(matrices, tail, hyper, group, rank, world, prefetch=a["recon_prefetch"])
 
-    log(f"\n=== W={world}: {world} gloo ranks x {torch.get_num_threads()} thread(s), "
+    log(
+        f"\n=== W={world}: {world} gloo ranks x {torch.get_num_threads()} thread(s), "
         f"{len(matrices)} Muon matrices ({sum(p.numel() for _, _, _, p, _ in matrices):,} elements), "
         f"tail {len(tail)} tensors ({sum(p.numel() for _, _, p, _ in tail):,} elements), "
-        f"NS {a['ns_steps']} steps {a['ns_dtype']} '{a['coefficients']}', split_qkv={a['split_qkv']}")
+        f"NS {a['ns_steps']} steps {a['ns_dtype']} '{a['coefficients']}', split_qkv={a['split_qkv']}"
+    )
     log("matrix shapes: " + ", ".join(sorted({f"{s[0]}x{s[1]}" for _, s, _, _, _ in matrices})))
     log(ddp.plan.report())
 
@@ -340,6 +158,7 @@ def _worker(rank, world, a):
             t0 = time.perf_counter()
             norm = b.step()
             return time.perf_counter() - t0, norm
+
         return run
 
     runners = {"ours": run_ours, "recon": run_baseline(recon), "replicated": run_baseline(replicated)}
@@ -349,9 +168,9 @@ def _worker(rank, world, a):
     for it in range(a["warmup"] + a["iters"]):
         for m in METHODS:
             if it == 0:
-                with CollectiveCounter() as counter:
+                with count_collectives() as calls:
                     dt, norms[m] = runners[m]()
-                collectives[m] = counter.summary()
+                collectives[m] = calls.summary()
             else:
                 dt, norms[m] = runners[m]()
             if it >= a["warmup"]:
@@ -370,7 +189,7 @@ def _worker(rank, world, a):
         stats[m] = {"median": statistics.median(ms), "min": min(ms), "per_rank_median": per_rank}
 
     # Correctness: every method took the same number of steps from the same state.
-    ours_full = _full_by_name(ddp, _gather_units(ddp, "param"))
+    ours_full = _full_by_name(ddp, ddp.gathered("param"))
     rep_full = replicated.full_params()
     rec_full = recon.full_params()
     diff_ours = max((ours_full[n].reshape(-1) - rep_full[n].reshape(-1)).abs().max().item() for n in rep_full)
@@ -378,24 +197,27 @@ def _worker(rank, world, a):
 
     # Bytes per rank (persistent: params + grads + fp32 masters + optimizer state).
     ours_bytes = {**ddp.local_bytes(), **opt.local_bytes()}
-    bytes_local = torch.tensor([sum(ours_bytes.values()), sum(recon.local_bytes().values()),
-                                sum(replicated.local_bytes().values())], dtype=torch.float64)
+    bytes_local = torch.tensor(
+        [sum(ours_bytes.values()), sum(recon.local_bytes().values()), sum(replicated.local_bytes().values())],
+        dtype=torch.float64,
+    )
     bytes_all = [torch.empty_like(bytes_local) for _ in range(world)]
     dist.all_gather(bytes_all, bytes_local, group=group)
     bytes_stack = torch.stack(bytes_all)
 
     # Breakdown of ours (untimed above; run after the comparison): grad stats vs. local updates,
     # and the bare Newton-Schulz loop over owned matrices vs. over all matrices.
-    owned_dirs = [owned.grad for group_, owned in opt._pieces() if group_["optimizer"] == "muon"]
-    owned_qkv = [owned.qkv_rows for group_, owned in opt._pieces() if group_["optimizer"] == "muon"]
+    owned = [p for p in opt.owned_pieces() if p.rule == "muon"]
+    owned_dirs = [p.grad for p in owned]
+    owned_qkv = [p.split_rows for p in owned]
     all_dirs = [(gr, q) for _, _, q, _, gr in matrices]
 
     def ns_loop(items):
         for m, q in items:
             if q is None:
-                newton_schulz(m, hyper.ns_steps, hyper.coefficients, hyper.ns_dtype)
+                newton_schulz(m, hyper.ns["ns_steps"], hyper.ns["coefficients"], hyper.ns["ns_dtype"])
             else:
-                _orthogonalized(m, tuple(m.shape), q, hyper)
+                scaled_update(m, hyper.lr, qkv_split_shapes=q, **hyper.ns)
 
     parts = {"stats": [], "update": [], "ns_owned": [], "ns_all": []}
     for it in range(1 + max(3, a["iters"] // 2)):
@@ -423,12 +245,18 @@ def _worker(rank, world, a):
     breakdown = {k: 1e3 * part_max[i].item() for i, k in enumerate(parts)}
 
     return {
-        "W": world, "threads": torch.get_num_threads(), "stats": stats,
+        "W": world,
+        "threads": torch.get_num_threads(),
+        "stats": stats,
         "bytes_max": {m: int(bytes_stack[:, i].max().item()) for i, m in enumerate(METHODS)},
         "bytes_ours_per_rank": [int(v) for v in bytes_stack[:, 0].tolist()],
         "ours_bytes_detail_rank0": ours_bytes,
-        "collectives": collectives, "norms": norms, "diff_ours": diff_ours, "diff_recon": diff_recon,
-        "breakdown": breakdown, "report": ddp.plan.report(),
+        "collectives": collectives,
+        "norms": norms,
+        "diff_ours": diff_ours,
+        "diff_recon": diff_recon,
+        "breakdown": breakdown,
+        "report": ddp.plan.report(),
         "recon_gather_buffer_max_bytes": max(4 * (-(-p.numel() // world)) * world for _, _, _, p, _ in matrices),
     }
 
@@ -440,48 +268,65 @@ def _mb(b):
 
 def print_world(r, args):
     W, s = r["W"], r["stats"]
-    print(f"\n--- W={W} results (step time = slowest rank; {args.iters} timed iterations after "
-          f"{args.warmup} warm-up) ---")
-    print(f"{'method':<11} {'median ms':>10} {'min ms':>9} {'x ours':>7} {'bytes/rank (max)':>17} "
-          f"{'coll./step':>10}  collectives (count, elements)")
+    print(
+        f"\n--- W={W} results (step time = slowest rank; {args.iters} timed iterations after {args.warmup} warm-up) ---"
+    )
+    print(
+        f"{'method':<11} {'median ms':>10} {'min ms':>9} {'x ours':>7} {'bytes/rank (max)':>17} "
+        f"{'coll./step':>10}  collectives (count, elements)"
+    )
     for m in METHODS:
         n, by_name = r["collectives"][m]
         detail = ", ".join(f"{k} x{c} ({e:,} el)" for k, (c, e) in sorted(by_name.items())) or "-"
         ratio = s[m]["median"] / s["ours"]["median"]
-        print(f"{m:<11} {s[m]['median']:>10.1f} {s[m]['min']:>9.1f} {ratio:>7.2f} {_mb(r['bytes_max'][m]):>17} "
-              f"{n:>10}  {detail}")
-    print("per-rank median ms: " + "; ".join(
-        f"{m} " + "/".join(f"{v:.1f}" for v in s[m]["per_rank_median"]) for m in METHODS))
-    print("ours bytes per rank: " + ", ".join(_mb(b).strip() for b in r["bytes_ours_per_rank"])
-          + f"  (rank 0: {r['ours_bytes_detail_rank0']})")
+        print(
+            f"{m:<11} {s[m]['median']:>10.1f} {s[m]['min']:>9.1f} {ratio:>7.2f} {_mb(r['bytes_max'][m]):>17} "
+            f"{n:>10}  {detail}"
+        )
+    print(
+        "per-rank median ms: "
+        + "; ".join(f"{m} " + "/".join(f"{v:.1f}" for v in s[m]["per_rank_median"]) for m in METHODS)
+    )
+    print(
+        "ours bytes per rank: "
+        + ", ".join(_mb(b).strip() for b in r["bytes_ours_per_rank"])
+        + f"  (rank 0: {r['ours_bytes_detail_rank0']})"
+    )
     print(f"recon transient all-gather buffer (largest matrix): {_mb(r['recon_gather_buffer_max_bytes']).strip()}")
     b = r["breakdown"]
-    print(f"ours breakdown (max over ranks, median): grad stats + all-reduce {b['stats']:.2f} ms, "
-          f"local updates {b['update']:.1f} ms; bare NS loop owned {b['ns_owned']:.1f} ms vs all matrices "
-          f"{b['ns_all']:.1f} ms (= {b['ns_all'] / max(b['ns_owned'], 1e-9):.2f}x)")
+    print(
+        f"ours breakdown (max over ranks, median): grad stats + all-reduce {b['stats']:.2f} ms, "
+        f"local updates {b['update']:.1f} ms; bare NS loop owned {b['ns_owned']:.1f} ms vs all matrices "
+        f"{b['ns_all']:.1f} ms (= {b['ns_all'] / max(b['ns_owned'], 1e-9):.2f}x)"
+    )
     n = r["norms"]
-    print(f"check: grad norm ours {n['ours']:.6e} recon {n['recon']:.6e} replicated {n['replicated']:.6e}; "
-          f"max |param - replicated| after all steps: ours {r['diff_ours']:.3e}, recon {r['diff_recon']:.3e}")
+    print(
+        f"check: grad norm ours {n['ours']:.6e} recon {n['recon']:.6e} replicated {n['replicated']:.6e}; "
+        f"max |param - replicated| after all steps: ours {r['diff_ours']:.3e}, recon {r['diff_recon']:.3e}"
+    )
     sys.stdout.flush()
 
 
 def result_line(r):
     s = r["stats"]
     o = s["ours"]["median"]
-    return (f"RESULT W={r['W']} ours_ms={o:.2f} recon_ms={s['recon']['median']:.2f} "
-            f"replicated_ms={s['replicated']['median']:.2f} recon_over_ours={s['recon']['median'] / o:.3f} "
-            f"replicated_over_ours={s['replicated']['median'] / o:.3f} "
-            f"ours_min_ms={s['ours']['min']:.2f} recon_min_ms={s['recon']['min']:.2f} "
-            f"replicated_min_ms={s['replicated']['min']:.2f} "
-            f"ours_bytes={r['bytes_max']['ours']} recon_bytes={r['bytes_max']['recon']} "
-            f"replicated_bytes={r['bytes_max']['replicated']} "
-            f"ours_collectives={r['collectives']['ours'][0]} recon_collectives={r['collectives']['recon'][0]} "
-            f"replicated_collectives={r['collectives']['replicated'][0]}")
+    return (
+        f"RESULT W={r['W']} ours_ms={o:.2f} recon_ms={s['recon']['median']:.2f} "
+        f"replicated_ms={s['replicated']['median']:.2f} recon_over_ours={s['recon']['median'] / o:.3f} "
+        f"replicated_over_ours={s['replicated']['median'] / o:.3f} "
+        f"ours_min_ms={s['ours']['min']:.2f} recon_min_ms={s['recon']['min']:.2f} "
+        f"replicated_min_ms={s['replicated']['min']:.2f} "
+        f"ours_bytes={r['bytes_max']['ours']} recon_bytes={r['bytes_max']['recon']} "
+        f"replicated_bytes={r['bytes_max']['replicated']} "
+        f"ours_collectives={r['collectives']['ours'][0]} recon_collectives={r['collectives']['recon'][0]} "
+        f"replicated_collectives={r['collectives']['replicated'][0]}"
+    )
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     p.add_argument("--world-sizes", type=int, nargs="+", default=[2, 4])
     p.add_argument("--num-layers", type=int, default=4)
     p.add_argument("--hidden-size", type=int, default=256)
@@ -493,18 +338,33 @@ def parse_args(argv=None):
     p.add_argument("--micro-batch-size", type=int, default=2)
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--ns-dtype", choices=sorted(_NS_DTYPES), default="fp32",
-                   help="Newton-Schulz dtype (bf16 matmuls are very slow on most CPUs)")
+    p.add_argument(
+        "--ns-dtype",
+        choices=sorted(NS_DTYPES),
+        default="fp32",
+        help="Newton-Schulz dtype (bf16 matmuls are very slow on most CPUs)",
+    )
     p.add_argument("--ns-steps", type=int, default=5)
     p.add_argument("--coefficients", default="jordan")
-    p.add_argument("--no-split-qkv", dest="split_qkv", action="store_false",
-                   help="orthogonalize linear_qkv as one matrix instead of Q, K, V blocks")
-    p.add_argument("--planner", default="auto", choices=("greedy", "global", "auto"))
-    p.add_argument("--recon-prefetch", action="store_true",
-                   help="reconstruction baseline: issue the next matrix's all-gather asynchronously "
-                        "while Newton-Schulz runs (default: one blocking all-gather per matrix)")
-    p.add_argument("--cpus", type=int, default=len(os.sched_getaffinity(0)),
-                   help="cores to share: each rank uses max(1, cpus // W) threads")
+    p.add_argument(
+        "--no-split-qkv",
+        dest="split_qkv",
+        action="store_false",
+        help="orthogonalize linear_qkv as one matrix instead of Q, K, V blocks",
+    )
+    p.add_argument("--planner", default="auto", choices=POLICIES)
+    p.add_argument(
+        "--recon-prefetch",
+        action="store_true",
+        help="reconstruction baseline: issue the next matrix's all-gather asynchronously "
+        "while Newton-Schulz runs (default: one blocking all-gather per matrix)",
+    )
+    p.add_argument(
+        "--cpus",
+        type=int,
+        default=len(os.sched_getaffinity(0)),
+        help="cores to share: each rank uses max(1, cpus // W) threads",
+    )
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--timeout", type=float, default=1800, help="seconds per world size")
     p.add_argument("--quick", action="store_true", help="tiny config for a CI smoke run (< 60 s)")
@@ -521,15 +381,35 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
-    worker_args = {k: getattr(args, k) for k in (
-        "num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups", "vocab_size",
-        "seq_length", "micro_batch_size", "iters", "warmup", "ns_dtype", "ns_steps", "coefficients",
-        "split_qkv", "planner", "recon_prefetch", "seed")}
-    print(f"bench_optimizer_step: GPT layers={args.num_layers} hidden={args.hidden_size} "
-          f"ffn={args.ffn_hidden_size} heads={args.num_attention_heads} groups={args.num_query_groups} "
-          f"vocab={args.vocab_size} seq={args.seq_length}; torch {torch.__version__}, gloo, {args.cpus} cpus; "
-          f"recon all-gather {'prefetched (async)' if args.recon_prefetch else 'blocking, one per matrix'}; "
-          f"all three include the AdamW tail and a global grad norm")
+    worker_args = {
+        k: getattr(args, k)
+        for k in (
+            "num_layers",
+            "hidden_size",
+            "ffn_hidden_size",
+            "num_attention_heads",
+            "num_query_groups",
+            "vocab_size",
+            "seq_length",
+            "micro_batch_size",
+            "iters",
+            "warmup",
+            "ns_dtype",
+            "ns_steps",
+            "coefficients",
+            "split_qkv",
+            "planner",
+            "recon_prefetch",
+            "seed",
+        )
+    }
+    print(
+        f"bench_optimizer_step: GPT layers={args.num_layers} hidden={args.hidden_size} "
+        f"ffn={args.ffn_hidden_size} heads={args.num_attention_heads} groups={args.num_query_groups} "
+        f"vocab={args.vocab_size} seq={args.seq_length}; torch {torch.__version__}, gloo, {args.cpus} cpus; "
+        f"recon all-gather {'prefetched (async)' if args.recon_prefetch else 'blocking, one per matrix'}; "
+        f"all three include the AdamW tail and a global grad norm"
+    )
     sys.stdout.flush()
     results = []
     for W in args.world_sizes:
@@ -539,16 +419,20 @@ def main(argv=None):
         results.append(r)
 
     print("\n=== summary (median step ms, slowest rank) ===")
-    print(f"{'W':>3} {'ours':>9} {'recon':>9} {'replicated':>11} {'recon/ours':>11} {'repl/ours':>10} "
-          f"{'ours MiB':>9} {'recon MiB':>10} {'repl MiB':>9} {'coll ours/recon/repl':>21}")
+    print(
+        f"{'W':>3} {'ours':>9} {'recon':>9} {'replicated':>11} {'recon/ours':>11} {'repl/ours':>10} "
+        f"{'ours MiB':>9} {'recon MiB':>10} {'repl MiB':>9} {'coll ours/recon/repl':>21}"
+    )
     for r in results:
         s = r["stats"]
         o = s["ours"]["median"]
         c = "/".join(str(r["collectives"][m][0]) for m in METHODS)
-        print(f"{r['W']:>3} {o:>9.1f} {s['recon']['median']:>9.1f} {s['replicated']['median']:>11.1f} "
-              f"{s['recon']['median'] / o:>11.2f} {s['replicated']['median'] / o:>10.2f} "
-              f"{r['bytes_max']['ours'] / 2**20:>9.2f} {r['bytes_max']['recon'] / 2**20:>10.2f} "
-              f"{r['bytes_max']['replicated'] / 2**20:>9.2f} {c:>21}")
+        print(
+            f"{r['W']:>3} {o:>9.1f} {s['recon']['median']:>9.1f} {s['replicated']['median']:>11.1f} "
+            f"{s['recon']['median'] / o:>11.2f} {s['replicated']['median'] / o:>10.2f} "
+            f"{r['bytes_max']['ours'] / 2**20:>9.2f} {r['bytes_max']['recon'] / 2**20:>10.2f} "
+            f"{r['bytes_max']['replicated'] / 2**20:>9.2f} {c:>21}"
+        )
     for r in results:
         print(result_line(r))
 

@@ -17,11 +17,8 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 
 import torch
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def main() -> None:
@@ -37,30 +34,40 @@ def main() -> None:
 
     import torch.distributed as dist
 
-    from megatron_mfsdp.devtools import free_port
+    from megatron_mfsdp.testing import free_port
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(free_port()))
     dist.init_process_group("gloo", rank=0, world_size=1)
     from megatron.core import parallel_state
 
-    from megatron_mfsdp.model import build_gpt_model, tiny_gpt_config
-    from megatron_mfsdp.placement import MUON, gpt_model_units, plan_units, qkv_block_rows, unit_specs
+    from megatron_mfsdp import MatrixFSDPConfig
+    from megatron_mfsdp.models.gpt import GPT_ADAPTER, build_gpt_model
+    from megatron_mfsdp.placement import WHOLE, plan_units
+    from megatron_mfsdp.runtime.wrapper import unit_specs
+    from megatron_mfsdp.testing import tiny_gpt_config
 
     parallel_state.initialize_model_parallel(1, 1)
-    cfg = tiny_gpt_config(num_layers=args.num_layers, hidden_size=args.hidden_size,
-                          ffn_hidden_size=args.ffn_hidden_size, num_attention_heads=args.num_attention_heads,
-                          num_query_groups=args.num_attention_heads, perform_initialization=False)
+    cfg = tiny_gpt_config(
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        ffn_hidden_size=args.ffn_hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        num_query_groups=args.num_attention_heads,
+        perform_initialization=False,
+    )
     with torch.device("meta"):
         model = build_gpt_model(cfg, vocab_size=args.vocab_size, max_sequence_length=2048)
-    specs = unit_specs(gpt_model_units(model), qkv_rows=qkv_block_rows(cfg))
-    total_matrix = sum(q.numel for u in specs for q in u.params if q.kind == MUON)
-    total_tail = sum(q.numel for u in specs for q in u.params if q.kind != MUON)
+    specs = unit_specs(GPT_ADAPTER.units(model), MatrixFSDPConfig(), GPT_ADAPTER, cfg)
+    total_matrix = sum(q.numel for u in specs for q in u.params if q.storage == WHOLE)
+    total_tail = sum(q.numel for u in specs for q in u.params if q.storage != WHOLE)
     total = total_matrix + total_tail
-    print(f"GPT {args.num_layers} layers, hidden {args.hidden_size}: {total / 1e9:.3f} B parameters "
-          f"({total_matrix / total:.1%} in Muon matrices)")
+    print(
+        f"GPT {args.num_layers} layers, hidden {args.hidden_size}: {total / 1e9:.3f} B parameters "
+        f"({total_matrix / total:.1%} in Muon matrices)"
+    )
     print(f"{'W':>4} {'matrixfsdp max GiB':>19} {'zero3 GiB':>10} {'ratio':>6} {'zero1-owner GiB':>16}")
-    gib = 1024 ** 3
+    gib = 1024**3
     for w in args.world_sizes:
         plan = plan_units(specs, w, args.planner)
         worst = 0
@@ -68,7 +75,7 @@ def main() -> None:
             matrix = tail = 0
             for unit in plan.units:
                 for piece in unit.local_pieces(r):
-                    if piece.slot.kind == MUON:
+                    if piece.slot.storage == WHOLE:
                         matrix += piece.numel
                     else:
                         tail += piece.numel

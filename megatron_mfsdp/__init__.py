@@ -1,5 +1,33 @@
 """megatron-mfsdp: owner-sharded ZeRO-3 (MatrixFSDP) with communication-free Muon for
-megatron-core. Entry points: ``runtime.MatrixFSDP`` (the model wrapper),
-``optimizer.get_megatron_optimizer`` (the optimizer), ``pretrain_gpt.py`` (training)."""
+megatron-core.
+
+    from megatron_mfsdp import MatrixFSDP, MatrixFSDPConfig, MatrixFSDPOptimizerConfig, get_megatron_optimizer
+
+    model = MatrixFSDP(transformer_config, MatrixFSDPConfig(), gpt_model)   # like megatron's DDP
+    optimizer = get_megatron_optimizer(MatrixFSDPOptimizerConfig(lr=3e-3), [model])
+    print(model.plan.report())                                              # who owns what
+
+``pretrain_gpt.py`` is the training entry point.
+"""
 
 __version__ = "0.1.0"
+
+from .config import MatrixFSDPConfig, MatrixFSDPOptimizerConfig
+from .groups import ProcessGroups
+from .optim.optimizer import MatrixFSDPOptimizer, get_megatron_optimizer
+from .placement.layout import Plan
+from .runtime.pipeline import configure_schedule, forward_backward
+from .runtime.wrapper import MatrixFSDP
+
+__all__ = [
+    "MatrixFSDP",
+    "MatrixFSDPConfig",
+    "MatrixFSDPOptimizerConfig",
+    "MatrixFSDPOptimizer",
+    "Plan",
+    "ProcessGroups",
+    "configure_schedule",
+    "forward_backward",
+    "get_megatron_optimizer",
+    "__version__",
+]

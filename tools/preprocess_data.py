@@ -12,15 +12,9 @@ Inputs (flag and file) are checked before any work starts.
 """
 
 import argparse
-import os
 import sys
-from typing import List, Optional
 
-_REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if _REPO_ROOT not in sys.path:
-    sys.path.insert(0, _REPO_ROOT)
-
-from megatron_mfsdp.data.preprocess import (  # noqa: E402
+from megatron_mfsdp.data.preprocess import (
     SUPPORTED_TOKENIZER_TYPES,
     PreprocessError,
     preprocess,
@@ -30,28 +24,30 @@ from megatron_mfsdp.data.preprocess import (  # noqa: E402
 def get_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     g = p.add_argument_group("input data")
-    g.add_argument("--input", type=str, required=True,
-                   help="a .jsonl file (one JSON object per line) or a folder of text files")
-    g.add_argument("--json-keys", nargs="+", default=["text"],
-                   help="keys to extract from each JSON line (default: text)")
+    g.add_argument(
+        "--input", type=str, required=True, help="a .jsonl file (one JSON object per line) or a folder of text files"
+    )
+    g.add_argument(
+        "--json-keys", nargs="+", default=["text"], help="keys to extract from each JSON line (default: text)"
+    )
     g = p.add_argument_group("tokenizer")
-    g.add_argument("--tokenizer-type", type=str, default="SentencePieceTokenizer",
-                   choices=list(SUPPORTED_TOKENIZER_TYPES))
-    g.add_argument("--tokenizer-model", type=str, default=None,
-                   help="SentencePiece .model file")
+    g.add_argument(
+        "--tokenizer-type", type=str, default="SentencePieceTokenizer", choices=list(SUPPORTED_TOKENIZER_TYPES)
+    )
+    g.add_argument("--tokenizer-model", type=str, default=None, help="SentencePiece .model file")
     g.add_argument("--vocab-size", type=int, default=None, help="NullTokenizer vocab size")
-    g.add_argument("--append-eod", action="store_true",
-                   help="append the tokenizer's end-of-document id to every document")
+    g.add_argument(
+        "--append-eod", action="store_true", help="append the tokenizer's end-of-document id to every document"
+    )
     g = p.add_argument_group("output data")
-    g.add_argument("--output-prefix", type=str, required=True,
-                   help="writes {prefix}_{key}_document.bin/.idx")
+    g.add_argument("--output-prefix", type=str, required=True, help="writes {prefix}_{key}_document.bin/.idx")
     g = p.add_argument_group("runtime")
     g.add_argument("--workers", type=int, default=1, help="tokenizer processes (default 1)")
     g.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     return p
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = get_parser()
     args = parser.parse_args(argv)
     try:

@@ -7,16 +7,10 @@ writes ``tok/spm.model`` and ``tok/spm.vocab`` (ids: unk=0, bos=1, eos/EOD=2, pa
 """
 
 import argparse
-import os
 import sys
-from typing import List, Optional
 
-_REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if _REPO_ROOT not in sys.path:
-    sys.path.insert(0, _REPO_ROOT)
-
-from megatron_mfsdp.data.corpus import DEFAULT_VOCAB_SIZE, train_sentencepiece  # noqa: E402
-from megatron_mfsdp.data.preprocess import (  # noqa: E402
+from megatron_mfsdp.data.corpus import DEFAULT_VOCAB_SIZE, train_sentencepiece
+from megatron_mfsdp.data.preprocess import (
     PreprocessError,
     check_input_path,
     check_output_prefix,
@@ -25,22 +19,25 @@ from megatron_mfsdp.data.preprocess import (  # noqa: E402
 
 def get_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--input", type=str, required=True,
-                   help="a .jsonl file or a folder of text files")
-    p.add_argument("--model-prefix", type=str, required=True,
-                   help="writes {prefix}.model and {prefix}.vocab")
+    p.add_argument("--input", type=str, required=True, help="a .jsonl file or a folder of text files")
+    p.add_argument("--model-prefix", type=str, required=True, help="writes {prefix}.model and {prefix}.vocab")
     p.add_argument("--vocab-size", type=int, default=DEFAULT_VOCAB_SIZE)
     p.add_argument("--model-type", type=str, default="bpe", choices=["bpe", "unigram"])
     p.add_argument("--json-keys", nargs="+", default=["text"])
-    p.add_argument("--input-sentence-size", type=int, default=200_000,
-                   help="max number of training chunks read (caps memory and time)")
+    p.add_argument(
+        "--input-sentence-size",
+        type=int,
+        default=200_000,
+        help="max number of training chunks read (caps memory and time)",
+    )
     p.add_argument("--num-threads", type=int, default=1)
-    p.add_argument("--no-hard-vocab-limit", action="store_true",
-                   help="allow a smaller vocabulary when the corpus is too small")
+    p.add_argument(
+        "--no-hard-vocab-limit", action="store_true", help="allow a smaller vocabulary when the corpus is too small"
+    )
     return p
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = get_parser()
     args = parser.parse_args(argv)
     if args.vocab_size < 300:

@@ -22,28 +22,15 @@ from __future__ import annotations
 import logging
 import math
 import os
-from typing import Callable, Dict, Iterator, List, Optional, Sequence, Union
+from collections.abc import Callable, Sequence
 
 import numpy
 import torch
 
 logger = logging.getLogger(__name__)
 
-__all__ = [
-    "build_tokenizer",
-    "padded_vocab_size",
-    "build_gpt_dataset_config",
-    "build_train_valid_test_datasets",
-    "train_valid_test_num_samples",
-    "num_microbatches",
-    "global_batch_indices",
-    "microbatch_indices",
-    "collate_samples",
-    "get_microbatch",
-    "iter_microbatches",
-]
 
-DataPrefix = Union[str, os.PathLike, Sequence[Union[str, os.PathLike]]]
+DataPrefix = str | os.PathLike | Sequence[str | os.PathLike]
 
 
 # --------------------------------------------------------------------------------------------
@@ -53,8 +40,8 @@ DataPrefix = Union[str, os.PathLike, Sequence[Union[str, os.PathLike]]]
 
 def build_tokenizer(
     tokenizer_type: str = "SentencePieceTokenizer",
-    tokenizer_model: Optional[Union[str, os.PathLike]] = None,
-    vocab_size: Optional[int] = None,
+    tokenizer_model: str | os.PathLike | None = None,
+    vocab_size: int | None = None,
 ):
     """Return a megatron-core tokenizer usable as ``GPTDatasetConfig.tokenizer``.
 
@@ -83,8 +70,7 @@ def build_tokenizer(
             vocab_size=int(vocab_size),
         )
     raise ValueError(
-        f"--tokenizer-type: unsupported {tokenizer_type!r} "
-        "(choose SentencePieceTokenizer or NullTokenizer)"
+        f"--tokenizer-type: unsupported {tokenizer_type!r} (choose SentencePieceTokenizer or NullTokenizer)"
     )
 
 
@@ -101,7 +87,7 @@ def padded_vocab_size(
 # --------------------------------------------------------------------------------------------
 
 
-def _normalize_prefixes(data_prefix: Optional[DataPrefix]) -> Optional[List[str]]:
+def _normalize_prefixes(data_prefix: DataPrefix | None) -> list[str] | None:
     if data_prefix is None:
         return None
     if isinstance(data_prefix, (str, os.PathLike)):
@@ -116,7 +102,7 @@ def _normalize_prefixes(data_prefix: Optional[DataPrefix]) -> Optional[List[str]
 
 def train_valid_test_num_samples(
     train_iters: int, global_batch_size: int, eval_interval: int, eval_iters: int
-) -> List[int]:
+) -> list[int]:
     """Megatron-LM's sample counts: [train, valid, test]."""
     eval_runs = (train_iters // eval_interval + 1) if eval_interval > 0 else 1
     return [
@@ -129,11 +115,11 @@ def train_valid_test_num_samples(
 def build_gpt_dataset_config(
     tokenizer,
     seq_length: int,
-    data_prefix: Optional[DataPrefix] = None,
+    data_prefix: DataPrefix | None = None,
     split: str = "969,30,1",
     seed: int = 1234,
-    data_cache_path: Optional[Union[str, os.PathLike]] = None,
-    weights: Optional[Sequence[float]] = None,
+    data_cache_path: str | os.PathLike | None = None,
+    weights: Sequence[float] | None = None,
     reset_position_ids: bool = False,
     reset_attention_mask: bool = False,
     eod_mask_loss: bool = False,
@@ -175,7 +161,7 @@ def build_gpt_dataset_config(
     return config
 
 
-def _split_token_counts(prefix: str, split_matrix) -> List[Optional[int]]:
+def _split_token_counts(prefix: str, split_matrix) -> list[int | None]:
     """Tokens per split of one indexed dataset, with the builder's own rounding."""
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
@@ -185,7 +171,7 @@ def _split_token_counts(prefix: str, split_matrix) -> List[Optional[int]]:
     lengths = numpy.array(low_level.sequence_lengths, dtype=numpy.int64, copy=True)
     del low_level
     n = lengths.shape[0]
-    counts: List[Optional[int]] = []
+    counts: list[int | None] = []
     for bookends in split_matrix:
         if bookends is None:
             counts.append(None)
@@ -196,7 +182,7 @@ def _split_token_counts(prefix: str, split_matrix) -> List[Optional[int]]:
     return counts
 
 
-def _drop_empty_splits(config, prefixes: List[str]) -> None:
+def _drop_empty_splits(config, prefixes: list[str]) -> None:
     from megatron.core.datasets.utils import Split
 
     per_prefix = [_split_token_counts(p, config.split_matrix) for p in prefixes]
@@ -207,7 +193,8 @@ def _drop_empty_splits(config, prefixes: List[str]) -> None:
         counts = [c[i] for c in per_prefix]
         if all(c == 0 for c in counts):
             logger.warning(
-                "split %r gives the %s split no documents; that split is disabled", config.split,
+                "split %r gives the %s split no documents; that split is disabled",
+                config.split,
                 split.name,
             )
             config.split_matrix[i] = None
@@ -224,18 +211,18 @@ def _default_is_built_on_rank() -> bool:
 
 
 def build_train_valid_test_datasets(
-    train_valid_test_num_samples: Sequence[Optional[int]],
+    train_valid_test_num_samples: Sequence[int | None],
     seq_length: int,
     tokenizer=None,
-    data_prefix: Optional[DataPrefix] = None,
+    data_prefix: DataPrefix | None = None,
     split: str = "969,30,1",
     seed: int = 1234,
     mock: bool = False,
-    data_cache_path: Optional[Union[str, os.PathLike]] = None,
+    data_cache_path: str | os.PathLike | None = None,
     tokenizer_type: str = "SentencePieceTokenizer",
-    tokenizer_model: Optional[Union[str, os.PathLike]] = None,
-    vocab_size: Optional[int] = None,
-    is_built_on_rank: Optional[Callable[[], bool]] = None,
+    tokenizer_model: str | os.PathLike | None = None,
+    vocab_size: int | None = None,
+    is_built_on_rank: Callable[[], bool] | None = None,
     config=None,
     **config_kwargs,
 ):
@@ -280,9 +267,7 @@ def build_train_valid_test_datasets(
     sizes = list(train_valid_test_num_samples)
     if len(sizes) != 3:
         raise ValueError("train_valid_test_num_samples must have 3 entries")
-    builder = BlendedMegatronDatasetBuilder(
-        cls, sizes, is_built_on_rank or _default_is_built_on_rank, config
-    )
+    builder = BlendedMegatronDatasetBuilder(cls, sizes, is_built_on_rank or _default_is_built_on_rank, config)
     return builder.build()
 
 
@@ -301,12 +286,6 @@ def num_microbatches(global_batch_size: int, micro_batch_size: int, dp_size: int
     return global_batch_size // per_step
 
 
-def global_batch_indices(iteration: int, global_batch_size: int) -> List[int]:
-    """Sample indices of the global batch of ``iteration``: ``[i*G, (i+1)*G)``."""
-    start = iteration * global_batch_size
-    return list(range(start, start + global_batch_size))
-
-
 def microbatch_indices(
     iteration: int,
     microbatch_index: int,
@@ -314,7 +293,7 @@ def microbatch_indices(
     dp_size: int,
     micro_batch_size: int,
     global_batch_size: int,
-) -> List[int]:
+) -> list[int]:
     """Sample indices of one rank's micro-batch (Megatron pretraining-sampler convention)."""
     m = num_microbatches(global_batch_size, micro_batch_size, dp_size)
     if not 0 <= microbatch_index < m:
@@ -323,18 +302,14 @@ def microbatch_indices(
         raise IndexError(f"dp rank {dp_rank} out of range [0, {dp_size})")
     if iteration < 0:
         raise IndexError(f"iteration must be >= 0, got {iteration}")
-    start = (
-        iteration * global_batch_size
-        + microbatch_index * micro_batch_size * dp_size
-        + dp_rank * micro_batch_size
-    )
+    start = iteration * global_batch_size + microbatch_index * micro_batch_size * dp_size + dp_rank * micro_batch_size
     return list(range(start, start + micro_batch_size))
 
 
-def collate_samples(samples: Sequence[Dict[str, torch.Tensor]]) -> Dict[str, Optional[torch.Tensor]]:
+def collate_samples(samples: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor | None]:
     """Stack GPTDataset samples into a batch dict; ``attention_mask`` is None when the dataset
     does not create one (``create_attention_mask=False``)."""
-    batch: Dict[str, Optional[torch.Tensor]] = {}
+    batch: dict[str, torch.Tensor | None] = {}
     for key in ("tokens", "labels", "loss_mask", "position_ids"):
         batch[key] = torch.stack([s[key] for s in samples])
     if all("attention_mask" in s and s["attention_mask"] is not None for s in samples):
@@ -353,7 +328,7 @@ def get_microbatch(
     micro_batch_size: int,
     global_batch_size: int,
     wrap: bool = False,
-) -> Dict[str, Optional[torch.Tensor]]:
+) -> dict[str, torch.Tensor | None]:
     """Collated micro-batch ``microbatch_index`` of iteration ``iteration`` for ``dp_rank``.
 
     Returns a dict with ``tokens``, ``labels``, ``loss_mask``, ``position_ids`` of shape
@@ -361,9 +336,7 @@ def get_microbatch(
     masked out, or None), plus ``indices`` (the dataset sample indices used).
     ``wrap=True`` takes indices modulo ``len(dataset)``; otherwise running past the end raises.
     """
-    idx = microbatch_indices(
-        iteration, microbatch_index, dp_rank, dp_size, micro_batch_size, global_batch_size
-    )
+    idx = microbatch_indices(iteration, microbatch_index, dp_rank, dp_size, micro_batch_size, global_batch_size)
     n = len(dataset)
     if wrap:
         idx = [i % n for i in idx]
@@ -375,19 +348,3 @@ def get_microbatch(
     batch = collate_samples([dataset[i] for i in idx])
     batch["indices"] = torch.tensor(idx, dtype=torch.long)
     return batch
-
-
-def iter_microbatches(
-    dataset,
-    iteration: int,
-    dp_rank: int,
-    dp_size: int,
-    micro_batch_size: int,
-    global_batch_size: int,
-    wrap: bool = False,
-) -> Iterator[Dict[str, Optional[torch.Tensor]]]:
-    """All micro-batches of one iteration for one DP rank, in order."""
-    for k in range(num_microbatches(global_batch_size, micro_batch_size, dp_size)):
-        yield get_microbatch(
-            dataset, iteration, k, dp_rank, dp_size, micro_batch_size, global_batch_size, wrap
-        )

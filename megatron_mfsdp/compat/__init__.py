@@ -1,0 +1,2 @@
+"""Adaptations of megatron-core to machines it was not written for: ``cpu.py`` is the
+one place where its CUDA assumptions are bent for CPU runs."""

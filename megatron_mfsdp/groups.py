@@ -1,0 +1,136 @@
+"""The process groups of one job, built once at set-up and passed explicitly.
+
+Nothing below ``training/`` reads megatron's ``parallel_state`` globals: the wrapper,
+the optimizer and the pipeline helpers take a :class:`ProcessGroups`.
+
+With ``replicate_size`` R (hybrid sharding), each megatron data-parallel group of W
+ranks is cut into R consecutive shard groups of W/R ranks (for example one node
+each). Owners are planned inside a shard group; the ranks that hold the same segment
+in different shard groups form a replica group, across which reduced gradient
+segments are all-reduced. R = 1 is pure owner sharding; R = W is plain data
+parallelism (every rank owns everything and runs every update).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+
+def group_size(group) -> int:
+    """Size of a group; 1 for None (a group that does not exist in this layout)."""
+    return dist.get_world_size(group) if group is not None else 1
+
+
+def group_rank(group) -> int:
+    """This process's rank in a group; 0 for None."""
+    return dist.get_rank(group) if group is not None else 0
+
+
+@dataclass
+class ProcessGroups:
+    """Every group MatrixFSDP talks to."""
+
+    dp: object
+    """megatron's whole data-parallel group (losses are averaged over it)."""
+
+    dp_shard: object
+    """The ranks among which owners are planned (all of ``dp`` unless hybrid)."""
+
+    replica: object | None = None
+    """Ranks holding the same segment in other shard groups (hybrid sharding), else None."""
+
+    tp: object | None = None
+    """Tensor-parallel group (None without model parallelism)."""
+
+    pp: object | None = None
+    """Pipeline-parallel group (None without model parallelism)."""
+
+    embedding: object | None = None
+    """First and last pipeline stage, which both hold the tied embedding; None if this
+    rank is in no such group or PP is 1."""
+
+    grad_stats: object | None = None
+    """Ranks that hold distinct gradient elements (norms, inf checks): the world."""
+
+    @property
+    def dp_shard_size(self) -> int:
+        return group_size(self.dp_shard)
+
+    @property
+    def dp_shard_rank(self) -> int:
+        return group_rank(self.dp_shard)
+
+    @property
+    def replica_size(self) -> int:
+        return group_size(self.replica)
+
+    @property
+    def tp_size(self) -> int:
+        return group_size(self.tp)
+
+    @property
+    def pp_size(self) -> int:
+        return group_size(self.pp)
+
+    @classmethod
+    def from_parallel_state(cls, replicate_size: int = 1) -> ProcessGroups:
+        """Collective on every rank: megatron's groups (``initialize_model_parallel`` must have
+        run) plus the shard and replica groups of hybrid sharding."""
+        from megatron.core import parallel_state as ps
+
+        dp = ps.get_data_parallel_group()
+        shard, replica = data_parallel_groups(dp, replicate_size)
+        pp = ps.get_pipeline_model_parallel_group()
+        embedding = None
+        if group_size(pp) > 1 and ps.is_rank_in_embedding_group():
+            embedding = ps.get_embedding_group()
+        return cls(
+            dp=dp,
+            dp_shard=shard,
+            replica=replica,
+            tp=ps.get_tensor_model_parallel_group(),
+            pp=pp,
+            embedding=embedding,
+            grad_stats=dist.group.WORLD,
+        )
+
+    @classmethod
+    def data_parallel_only(cls, dp=None) -> ProcessGroups:
+        """Every rank is one data-parallel rank (no TP, PP or replicas): the world, by default."""
+        dp = dp if dp is not None else dist.group.WORLD
+        return cls(dp=dp, dp_shard=dp, grad_stats=dp)
+
+
+def split_data_parallel_ranks(dp_ranks: list[int], replicate_size: int) -> tuple[list[list[int]], list[list[int]]]:
+    """(shard groups, replica groups) of one data-parallel group's global ranks."""
+    world = len(dp_ranks)
+    if replicate_size < 1 or world % replicate_size:
+        raise ValueError(f"--mfsdp-replicate-size {replicate_size} must divide the data-parallel size {world}")
+    shard = world // replicate_size
+    shards = [dp_ranks[i * shard : (i + 1) * shard] for i in range(replicate_size)]
+    replicas = [[s[j] for s in shards] for j in range(shard)]
+    return shards, replicas
+
+
+def data_parallel_groups(dp_group, replicate_size: int = 1):
+    """Create (collectively, on every rank of the world) the shard and replica groups of
+    every data-parallel group; return this rank's (shard, replica) pair."""
+    if replicate_size == 1:
+        return dp_group, None
+    mine = dist.get_process_group_ranks(dp_group)
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    my_shard = my_replica = None
+    for ranks in sorted({tuple(r) for r in everyone}):
+        shards, replicas = split_data_parallel_ranks(list(ranks), replicate_size)
+        for members in shards:
+            group = dist.new_group(members)
+            if dist.get_rank() in members:
+                my_shard = group
+        for members in replicas:
+            group = dist.new_group(members)
+            if dist.get_rank() in members:
+                my_replica = group
+    return my_shard, my_replica

@@ -1,0 +1,194 @@
+"""GPT model construction on megatron-core's own GPTModel and layer specs.
+
+megatron-core's local ``DotProductAttention`` allocates its score buffer on
+``torch.cuda.current_device()`` and forks the CUDA RNG tracker, so it cannot
+run on a CPU. Everything else in the local spec can; this module swaps only the
+core attention for one built on ``torch.nn.functional.scaled_dot_product_attention``
+and otherwise returns megatron-core's spec unchanged. With Transformer Engine
+on a GPU, the TE spec is used as is.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from megatron.core.models.gpt import GPTModel
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.utils import divide
+
+try:  # Transformer Engine is optional and GPU only.
+    import transformer_engine  # noqa: F401
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_layer_with_transformer_engine_spec,
+    )
+
+    HAVE_TE = torch.cuda.is_available()
+except Exception:  # pragma: no cover - depends on the machine
+    HAVE_TE = False
+
+
+class SDPAttention(MegatronModule):
+    """Causal core attention on PyTorch SDPA: same inputs and outputs as
+    megatron-core's ``DotProductAttention`` ([s, b, heads, head_dim] in,
+    [s, b, heads*head_dim] out), but device agnostic."""
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        layer_number: int,
+        attn_mask_type: AttnMaskType,
+        attention_type: str,
+        attention_dropout: float | None = None,
+        softmax_scale: float | None = None,
+        cp_comm_type: str | None = None,
+        pg_collection=None,
+    ):
+        super().__init__(config=config)
+        if config.context_parallel_size != 1:
+            raise ValueError("SDPAttention does not support context parallelism")
+        tp_size = pg_collection.tp.size()
+        self.heads_per_partition = divide(config.num_attention_heads, tp_size)
+        self.groups_per_partition = divide(config.num_query_groups, tp_size)
+        self.head_dim = config.kv_channels
+        self.softmax_scale = softmax_scale or 1.0 / math.sqrt(self.head_dim)
+        self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+        self.attn_mask_type = attn_mask_type
+
+    def forward(
+        self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None, packed_seq_params=None
+    ):
+        if packed_seq_params is not None or attention_bias is not None:
+            raise NotImplementedError("SDPAttention supports neither packed sequences nor bias")
+        repeat = self.heads_per_partition // self.groups_per_partition
+        if repeat > 1:
+            key = key.repeat_interleave(repeat, dim=2)
+            value = value.repeat_interleave(repeat, dim=2)
+        # [s, b, h, d] -> [b, h, s, d]
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+        context = F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            is_causal=True,
+            scale=self.softmax_scale,
+            dropout_p=self.dropout_p if self.training else 0.0,
+        )
+        seq, batch = query.shape[0], query.shape[1]
+        return context.permute(2, 0, 1, 3).reshape(seq, batch, self.heads_per_partition * self.head_dim)
+
+
+class SequenceParallelNorm:
+    """megatron-core's torch-norm fallback (``WrappedTorchNorm``) refuses sequence
+    parallelism, although a plain LayerNorm/RMSNorm is all it needs: each TP rank
+    normalizes its part of the sequence, and the weight gradients are summed over TP.
+    This builds the torch norm and marks its parameters ``sequence_parallel`` (the
+    attribute megatron uses, which the MatrixFSDP runtime honours)."""
+
+    def __new__(cls, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **unused):
+        if config.layernorm_zero_centered_gamma:
+            raise ValueError("zero-centered gamma needs Transformer Engine or Apex norms")
+        norm_cls = torch.nn.RMSNorm if config.normalization == "RMSNorm" else torch.nn.LayerNorm
+        norm = norm_cls(normalized_shape=hidden_size, eps=eps)
+        for param in norm.parameters():
+            param.sequence_parallel = config.sequence_parallel
+        return norm
+
+
+def gpt_layer_spec(config: TransformerConfig, use_transformer_engine: bool | None = None, vp_stage: int | None = None):
+    """megatron-core's GPT spec: the TE layer spec on a GPU when available; else the
+    local spec with SDPA core attention and, for sequence parallelism, norms that
+    support it (as a block spec, since the final norm comes from the block)."""
+    if use_transformer_engine is None:
+        use_transformer_engine = HAVE_TE
+    if use_transformer_engine:
+        return get_gpt_layer_with_transformer_engine_spec()
+    spec = get_gpt_layer_local_spec(normalization=config.normalization)
+    spec.submodules.self_attention.submodules.core_attention = SDPAttention
+    if not config.sequence_parallel:
+        return spec
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+
+    spec.submodules.input_layernorm = SequenceParallelNorm
+    spec.submodules.pre_mlp_layernorm = SequenceParallelNorm
+    layers = get_num_layers_to_build(config, vp_stage=vp_stage)
+    return TransformerBlockSubmodules(layer_specs=[spec] * layers, layer_norm=SequenceParallelNorm)
+
+
+def build_gpt_model(
+    config: TransformerConfig,
+    vocab_size: int,
+    max_sequence_length: int,
+    *,
+    position_embedding_type: str = "learned_absolute",
+    share_embeddings_and_output_weights: bool = True,
+    pre_process: bool = True,
+    post_process: bool = True,
+    use_transformer_engine: bool | None = None,
+    vp_stage: int | None = None,
+) -> GPTModel:
+    """A megatron-core GPTModel for the given config (parallel_state must be initialized).
+    Built under compat/cpu.py: with PP > 1 megatron-core moves the tied output weight to CUDA."""
+    from ...compat.cpu import cuda_on_cpu
+
+    with cuda_on_cpu():
+        model = GPTModel(
+            config=config,
+            transformer_layer_spec=gpt_layer_spec(config, use_transformer_engine, vp_stage),
+            vocab_size=vocab_size,
+            max_sequence_length=max_sequence_length,
+            pre_process=pre_process,
+            post_process=post_process,
+            share_embeddings_and_output_weights=share_embeddings_and_output_weights,
+            position_embedding_type=position_embedding_type,
+            vp_stage=vp_stage,
+        )
+    # Megatron-LM's Float16Module casts the whole model (norms included) to the
+    # training dtype; MatrixFSDP keeps one dtype per chunk, so do the same here.
+    if config.fp16:
+        model.half()
+    elif config.bf16:
+        model.bfloat16()
+    return model
+
+
+@torch.no_grad()
+def initialize_by_global_name(
+    model: GPTModel, config: TransformerConfig, seed: int, tp_rank: int = 0, tp_size: int = 1
+) -> None:
+    """Re-initialize every parameter from a generator seeded by (seed, its global name),
+    as megatron-core's CPU initialization would shape it: the full tensor is drawn, then
+    this tensor-parallel rank's chunk is kept. So any TP x PP x DP layout starts from
+    exactly the weights of the 1 x 1 x 1 model."""
+    import zlib
+
+    from .naming import global_parameter_names
+
+    std = config.init_method_std
+    out_std = std / math.sqrt(2.0 * config.num_layers)
+    names = global_parameter_names(model)
+    for name, param in model.named_parameters():
+        global_name = names[name]
+        split = getattr(param, "tensor_model_parallel", False) and tp_size > 1
+        dim = getattr(param, "partition_dim", 0)
+        stride = getattr(param, "partition_stride", 1)
+        full_shape = list(param.shape)
+        if split:
+            full_shape[dim] *= tp_size
+        generator = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(global_name.encode())) % 2**62)
+        leaf = global_name.rsplit(".", 1)[-1]
+        if leaf in ("bias", "layer_norm_bias"):
+            full = torch.zeros(full_shape)
+        elif "norm" in global_name:
+            full = torch.zeros(full_shape) if config.layernorm_zero_centered_gamma else torch.ones(full_shape)
+        else:
+            scaled = global_name.endswith(("linear_proj.weight", "linear_fc2.weight"))
+            full = torch.empty(full_shape).normal_(0.0, out_std if scaled else std, generator=generator)
+        if split:
+            chunks = torch.split(full, full_shape[dim] // (tp_size * stride), dim=dim)
+            full = torch.cat(chunks[tp_rank::tp_size], dim=dim)
+        param.copy_(full.to(param.dtype))

@@ -1,0 +1,300 @@
+"""Muon: the update rule, and its math as pure functions on local tensors.
+
+The owner holds each matrix whole, so Muon needs only local math: momentum,
+Newton-Schulz orthogonalization, shape-dependent scaling and the decoupled-weight-
+decay update. Keeping it free of ``torch.distributed`` lets us test it on CPU against
+``torch.optim.Muon`` (bitwise where the op order is the same) and reuse it from any
+sharding scheme (``muon_tp.py`` builds the tensor-parallel modes on it).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from ..placement.rules import WHOLE
+from .rule import OwnedPiece, StepContext, UpdateRule
+
+Coefficients = tuple[float, float, float]
+
+# Named Newton-Schulz coefficient schedules (a, b, c) for
+#   X <- a X + (b A + c A A) X,  A = X X^T.
+# A schedule shorter than the requested number of steps repeats its last tuple.
+NS_COEFFICIENTS: dict[str, list[Coefficients] | tuple] = {
+    # Keller Jordan's constant quintic (https://kellerjordan.github.io/posts/muon/),
+    # the same constants as torch.optim.Muon's DEFAULT_A/B/C.
+    "jordan": [(3.4445, -4.7750, 2.0315)],
+    # Per-step "Polar Express" schedule, 5 steps: Amsel, Persson, Musco, Gower,
+    # "The Polar Express: Optimal Matrix Sign Methods and Their Application to the
+    # Muon Algorithm", arXiv:2505.16932; numbers as published in modded-nanogpt's
+    # train_gpt.py (``polar_express_coeffs``; computed with a safety factor of 2e-2).
+    "quintic": [
+        (8.156554524902461, -22.48329292557795, 15.878769915207462),
+        (4.042929935166739, -2.808917465908714, 0.5000178451051316),
+        (3.8916678022926607, -2.772484153217685, 0.5060648178503393),
+        (3.285753657755655, -2.3681294933425376, 0.46449024233003106),
+        (2.3465413258596377, -1.7097828382687081, 0.42323551169305323),
+    ],
+}
+
+SCALE_MODES = ("spectral", "shape_scaling", "unit_rms_norm")
+NS_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def ns_coefficients_for(name: str, steps: int) -> list[Coefficients]:
+    """Return ``steps`` (a, b, c) tuples of the named schedule (last one repeated)."""
+    if name not in NS_COEFFICIENTS:
+        valid = ", ".join(repr(k) for k in NS_COEFFICIENTS)
+        raise ValueError(f"unknown Newton-Schulz coefficients {name!r} (--muon-coefficients); choose one of {valid}")
+    if steps < 1:
+        raise ValueError(f"Newton-Schulz steps must be >= 1, got {steps}")
+    schedule = [tuple(float(v) for v in abc) for abc in NS_COEFFICIENTS[name]]
+    return [schedule[min(i, len(schedule) - 1)] for i in range(steps)]  # type: ignore[misc]
+
+
+def newton_schulz(
+    grad: Tensor,
+    steps: int = 5,
+    coefficients: str = "jordan",
+    ns_dtype: torch.dtype = torch.bfloat16,
+    eps: float = 1e-7,
+) -> Tensor:
+    """Approximately orthogonalize a 2D matrix (U S V^T -> ~U V^T); fp32 result.
+
+    Op order follows ``torch.optim._muon._zeropower_via_newtonschulz`` so that with
+    ``ns_dtype=bfloat16`` and the "jordan" schedule the result is bitwise equal:
+    cast to ``ns_dtype``, transpose if rows > cols, divide by the Frobenius norm
+    clamped at ``eps`` (computed in ``ns_dtype``), then iterate with ``addmm``.
+    """
+    if grad.dim() != 2:
+        raise ValueError(f"newton_schulz expects a 2D matrix, got shape {tuple(grad.shape)}")
+    schedule = ns_coefficients_for(coefficients, steps)
+    x = grad.float().to(ns_dtype)
+    transposed = grad.size(0) > grad.size(1)
+    if transposed:
+        x = x.T
+    # Frobenius norm >= spectral norm, so all singular values end up in [0, 1].
+    x = x.div(x.norm().clamp(min=eps))
+    for a, b, c in schedule:
+        gram = x @ x.T
+        poly = torch.addmm(gram, gram, gram, beta=b, alpha=c)  # b A + c A A
+        x = torch.addmm(x, poly, x, beta=a)  # a X + poly X
+    if transposed:
+        x = x.T
+    return x.float().contiguous()
+
+
+def update_scale(shape: Sequence[int], mode: str, extra_scale_factor: float) -> float:
+    """Scale of an orthogonalized update of a (rows=m, cols=n) matrix.
+
+    spectral: sqrt(max(m, n)) (with 0.2 == torch's "match_rms_adamw");
+    shape_scaling: sqrt(max(1, m/n)) (torch's "original");
+    unit_rms_norm: sqrt(m/n). All multiplied by ``extra_scale_factor``.
+    """
+    m, n = int(shape[0]), int(shape[1])
+    if mode == "spectral":
+        ratio = math.sqrt(max(m, n))
+    elif mode == "shape_scaling":
+        ratio = math.sqrt(max(1, m / n))
+    elif mode == "unit_rms_norm":
+        ratio = math.sqrt(m / n)
+    else:
+        valid = ", ".join(repr(k) for k in SCALE_MODES)
+        raise ValueError(f"unknown Muon scale mode {mode!r} (--muon-scale-mode); choose one of {valid}")
+    return ratio * extra_scale_factor
+
+
+def _qkv_groups(rows: int, split_shapes: Sequence[int]) -> int:
+    if len(split_shapes) != 3 or any(int(s) <= 0 for s in split_shapes):
+        raise ValueError(f"qkv split shapes must be 3 positive ints, got {tuple(split_shapes)}")
+    per_group = sum(int(s) for s in split_shapes)
+    if rows % per_group != 0:
+        raise ValueError(
+            f"linear_qkv rows ({rows}) are not divisible by sum of qkv split shapes {tuple(split_shapes)} = {per_group}"
+        )
+    return rows // per_group
+
+
+def split_qkv(matrix: Tensor, split_shapes: Sequence[int]) -> list[Tensor]:
+    """Split a grouped linear_qkv weight into its Q, K and V matrices.
+
+    megatron-core lays rows out per query group as [q rows, k rows, v rows]; like
+    megatron-core's TensorParallelMuon, each part is reshaped to
+    (groups * rows_i, cols).
+    """
+    if matrix.dim() != 2:
+        raise ValueError(f"split_qkv expects a 2D matrix, got shape {tuple(matrix.shape)}")
+    rows, cols = matrix.shape
+    groups = _qkv_groups(rows, split_shapes)
+    parts = torch.split(matrix.reshape(groups, rows // groups, cols), [int(s) for s in split_shapes], dim=1)
+    return [p.reshape(-1, cols) for p in parts]
+
+
+def merge_qkv(parts: Sequence[Tensor], split_shapes: Sequence[int], shape: Sequence[int]) -> Tensor:
+    """Exact inverse of :func:`split_qkv`: interleave Q, K, V back per query group."""
+    rows, cols = int(shape[0]), int(shape[1])
+    groups = _qkv_groups(rows, split_shapes)
+    if len(parts) != 3:
+        raise ValueError(f"merge_qkv expects 3 parts, got {len(parts)}")
+    blocks = []
+    for part, s in zip(parts, split_shapes):
+        if tuple(part.shape) != (groups * int(s), cols):
+            raise ValueError(f"qkv part shape {tuple(part.shape)} != {(groups * int(s), cols)}")
+        blocks.append(part.reshape(groups, int(s), cols))
+    return torch.cat(blocks, dim=1).reshape(rows, cols)
+
+
+def muon_orthogonalized_update(
+    momentum_dir: Tensor,
+    *,
+    ns_steps: int,
+    coefficients: str,
+    ns_dtype: torch.dtype,
+    scale_mode: str,
+    extra_scale_factor: float,
+    qkv_split_shapes: Sequence[int] | None = None,
+) -> Tensor:
+    """Orthogonalized and scaled fp32 update (per Q/K/V block if split shapes given)."""
+
+    def one(m: Tensor) -> Tensor:
+        scale = update_scale(tuple(m.shape), scale_mode, extra_scale_factor)
+        return newton_schulz(m, ns_steps, coefficients, ns_dtype).mul_(scale)
+
+    if qkv_split_shapes is None:
+        return one(momentum_dir)
+    parts = [one(p) for p in split_qkv(momentum_dir, qkv_split_shapes)]
+    return merge_qkv(parts, qkv_split_shapes, tuple(momentum_dir.shape))
+
+
+def momentum_direction_(grad: Tensor, momentum_buffer: Tensor, momentum: float, nesterov: bool) -> Tensor:
+    """EMA momentum in place (``lerp_``, as torch.optim.Muon), then the direction to
+    orthogonalize: Nesterov's ``grad.lerp(buf, momentum)`` or the buffer itself."""
+    momentum_buffer.lerp_(grad, 1 - momentum)
+    return grad.lerp(momentum_buffer, momentum) if nesterov else momentum_buffer
+
+
+def scaled_update(
+    direction: Tensor,
+    lr: float,
+    *,
+    ns_steps: int,
+    coefficients: str,
+    ns_dtype: torch.dtype,
+    scale_mode: str,
+    extra_scale_factor: float,
+    qkv_split_shapes: Sequence[int] | None = None,
+) -> tuple[Tensor, float]:
+    """(update, alpha) with ``param += alpha * update``. Without a QKV split the scale is
+    folded into alpha, as torch.optim.Muon does, so results are bitwise equal to it."""
+    if qkv_split_shapes is None:
+        update = newton_schulz(direction, ns_steps, coefficients, ns_dtype)
+        return update, -lr * update_scale(tuple(direction.shape), scale_mode, extra_scale_factor)
+    update = muon_orthogonalized_update(
+        direction,
+        ns_steps=ns_steps,
+        coefficients=coefficients,
+        ns_dtype=ns_dtype,
+        scale_mode=scale_mode,
+        extra_scale_factor=extra_scale_factor,
+        qkv_split_shapes=qkv_split_shapes,
+    )
+    return update, -lr
+
+
+def apply_update_(param: Tensor, update: Tensor, alpha: float, lr: float, weight_decay: float) -> None:
+    """Decoupled weight decay with the unscaled lr, then ``param += alpha * update``."""
+    param.mul_(1 - lr * weight_decay)
+    param.add_(update, alpha=alpha)
+
+
+@torch.no_grad()
+def muon_step_(
+    param: Tensor,
+    grad: Tensor,
+    momentum_buffer: Tensor,
+    *,
+    lr: float,
+    weight_decay: float,
+    momentum: float = 0.95,
+    nesterov: bool = True,
+    ns_steps: int = 5,
+    coefficients: str = "jordan",
+    ns_dtype: torch.dtype = torch.bfloat16,
+    scale_mode: str = "spectral",
+    extra_scale_factor: float = 0.2,
+    qkv_split_shapes: Sequence[int] | None = None,
+) -> None:
+    """One Muon step, in place on the fp32 master ``param`` and ``momentum_buffer``, with
+    the op order of ``torch.optim.Muon`` (single tensor path)."""
+    if param.shape != grad.shape or param.shape != momentum_buffer.shape or param.dim() != 2:
+        raise ValueError(
+            f"muon_step_ needs equal 2D shapes, got param {tuple(param.shape)}, "
+            f"grad {tuple(grad.shape)}, momentum {tuple(momentum_buffer.shape)}"
+        )
+    direction = momentum_direction_(grad, momentum_buffer, momentum, nesterov)
+    update, alpha = scaled_update(
+        direction,
+        lr,
+        ns_steps=ns_steps,
+        coefficients=coefficients,
+        ns_dtype=ns_dtype,
+        scale_mode=scale_mode,
+        extra_scale_factor=extra_scale_factor,
+        qkv_split_shapes=qkv_split_shapes,
+    )
+    apply_update_(param, update, alpha, lr, weight_decay)
+
+
+def newton_schulz_cost(shape: Sequence[int], split_rows: Sequence[int] | None = None) -> int:
+    """Flops-proportional cost of one Newton-Schulz iteration, m*n*min(m,n), summed over
+    the blocks that are orthogonalized separately (Q, K, V: ``split_rows`` per group)."""
+    rows, cols = shape
+    if split_rows:
+        groups = rows // sum(split_rows)
+        blocks = [groups * r for r in split_rows]
+    else:
+        blocks = [rows]
+    return sum(r * cols * min(r, cols) for r in blocks)
+
+
+def muon_kwargs(cfg) -> dict:
+    """The Newton-Schulz and scale settings of a MatrixFSDPOptimizerConfig."""
+    return dict(
+        ns_steps=cfg.muon_num_ns_steps,
+        coefficients=cfg.muon_coefficients,
+        ns_dtype=NS_DTYPES[cfg.muon_ns_dtype],
+        scale_mode=cfg.muon_scale_mode,
+        extra_scale_factor=cfg.muon_extra_scale_factor,
+    )
+
+
+def step_kwargs(ctx: StepContext) -> dict:
+    """Everything a Muon step takes besides the tensors and the QKV split."""
+    cfg = ctx.config
+    return dict(
+        lr=ctx.lr,
+        weight_decay=ctx.weight_decay,
+        momentum=cfg.muon_momentum,
+        nesterov=cfg.muon_use_nesterov,
+        **muon_kwargs(cfg),
+    )
+
+
+def step(pieces: Sequence[OwnedPiece], ctx: StepContext) -> None:
+    kwargs = step_kwargs(ctx)
+    for p in pieces:
+        muon_step_(p.master, p.grad, p.state["momentum_buffer"], qkv_split_shapes=p.split_rows, **kwargs)
+
+
+RULE = UpdateRule(
+    name="muon",
+    storage=WHOLE,
+    state=("momentum_buffer",),
+    step=step,
+    cost=newton_schulz_cost,
+    optimizer="muon",
+    tp_variant="muon_tp",
+)

@@ -1,0 +1,341 @@
+"""MatrixFSDPOptimizer: megatron-core's MegatronOptimizer interface over the
+owner-sharded segments of MatrixFSDP chunks.
+
+Every rank already holds, after the backward pass, the reduced gradient of exactly
+what it owns: whole matrices and an even slice of the tail. So the step is local:
+the shell keeps fp32 masters, computes gradient statistics (one all-reduce of two
+scalars: squared norm and zero count, which loss scaling's inf/nan check, clipping
+and logging need), clips, and hands each owned piece to its update rule from
+``registry.py``. No tensor data moves (with tensor parallelism and ``muon_tp_mode``
+'duplicated' or 'distributed', owners of a TP shard also talk to their TP group:
+see muon_tp.py).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from megatron.core.optimizer import MegatronOptimizer, OptimizerConfig
+
+from ..compat.cpu import cuda_on_cpu
+from ..groups import group_rank, group_size
+from ..placement.rules import WHOLE
+from . import registry
+from .rule import OwnedPiece, StepContext, UpdateRule
+
+
+class _ShardOptimizerState:
+    """Stands where megatron's wrappers keep a torch optimizer: exposes
+    ``param_groups`` (driven by OptimizerParamScheduler) and ``state``."""
+
+    def __init__(self, param_groups):
+        self.param_groups = param_groups
+        self.state: dict[str, dict[str, torch.Tensor]] = {}
+
+
+def no_weight_decay(name: str, shape) -> bool:
+    """megatron-core's default: biases and 1D parameters (norms) take no weight decay."""
+    return name.endswith(".bias") or len(shape) == 1
+
+
+class MatrixFSDPOptimizer(MegatronOptimizer):
+    """fp32 masters, global grad-norm clipping and fp16 loss scaling around the update
+    rules of the pieces this rank owns."""
+
+    def __init__(self, config: OptimizerConfig, model_chunks: list):
+        """``config`` is a MatrixFSDPOptimizerConfig (megatron's OptimizerConfig plus ours)."""
+        self.model_chunks = model_chunks
+        groups = model_chunks[0].groups
+        # Norms and inf checks span every rank that holds distinct gradient elements
+        # (DP shards, TP, PP); duplicates are excluded per piece.
+        self.grad_stats_parallel_group = groups.grad_stats or dist.group.WORLD
+        self.tp_group = groups.tp
+        self.step_count = 0
+        self._masters: list[tuple[torch.Tensor, torch.Tensor]] = []  # (model segment, fp32 master)
+        param_groups = self._param_groups(config)
+        for chunk in model_chunks:
+            self._add_pieces(config, chunk, param_groups)
+        holder = _ShardOptimizerState(list(param_groups.values()))
+        for group in holder.param_groups:
+            for owned in group["params"]:
+                holder.state[owned.key] = owned.state
+        super().__init__(holder, config)
+        self.is_stub_optimizer = False
+        self.grad_scaler = self._grad_scaler(config)
+
+    # ------------------------------------------------------------- set-up
+    def _rule_of(self, slot, param) -> UpdateRule:
+        rule = registry.get(slot.rule)
+        if rule.tp_variant and group_size(self.tp_group) > 1 and getattr(param, "tensor_model_parallel", False):
+            return registry.get(rule.tp_variant)
+        return rule
+
+    def _param_groups(self, config) -> dict[tuple[str, float], dict]:
+        """One lr/wd group per (update rule, weight-decay multiplier) used anywhere in the plan,
+        so every rank has the same groups, even one that owns nothing."""
+        keys = set()
+        for chunk in self.model_chunks:
+            for unit in chunk.units:
+                for slot, param in unit.params:
+                    wd_mult = 0.0 if no_weight_decay(slot.name, slot.shape) else 1.0
+                    keys.add((self._rule_of(slot, param).name, wd_mult))
+        return {
+            key: {
+                "params": [],
+                "optimizer": key[0],
+                "wd_mult": key[1],
+                "lr_mult": 1.0,
+                "lr": config.lr,
+                "max_lr": config.lr,
+                "min_lr": config.min_lr,
+                "weight_decay": config.weight_decay * key[1],
+                "is_decoupled_lr": False,
+                "default_config": True,
+            }
+            for key in sorted(keys, key=lambda k: (registry.order(k[0]), -k[1]))
+        }
+
+    def _add_pieces(self, config, chunk, param_groups) -> None:
+        tp_rank = group_rank(self.tp_group)
+        primary_replica = group_rank(chunk.groups.replica) == 0
+        for unit in chunk.units:
+            params = {slot.name: p for slot, p in unit.params}
+            master = unit.param_segment if unit.param_segment.dtype == torch.float32 else unit.param_segment.float()
+            self._masters.append((unit.param_segment, master))
+            for piece in unit.pieces:
+                slot, param = piece.slot, params[piece.slot.name]
+                rule = self._rule_of(slot, param)
+                seg = slice(piece.segment_offset, piece.segment_offset + piece.numel)
+                shape = slot.shape if rule.storage == WHOLE else (piece.numel,)
+                tp_split = bool(getattr(param, "tensor_model_parallel", False))
+                owned = OwnedPiece(
+                    slot.name,
+                    chunk.global_names[slot.name],
+                    rule.name,
+                    slot.numel,
+                    piece.param_offset,
+                    master[seg].view(shape),
+                    unit.grad_segment[seg].view(shape),
+                    split_rows=slot.split_rows,
+                    partition_dim=getattr(param, "partition_dim", 0) if tp_split else None,
+                    in_grad_norm=primary_replica and (tp_split or tp_rank == 0) and not getattr(param, "shared", False),
+                )
+                owned.state = {name: torch.zeros_like(owned.master) for name in rule.state}
+                if rule.check is not None:
+                    rule.check(owned, config)
+                wd_mult = 0.0 if no_weight_decay(slot.name, slot.shape) else 1.0
+                param_groups[(rule.name, wd_mult)]["params"].append(owned)
+
+    @staticmethod
+    def _grad_scaler(config):
+        if not config.fp16:
+            return None
+        from megatron.core.optimizer.grad_scaler import ConstantGradScaler, DynamicGradScaler
+
+        with cuda_on_cpu():
+            if config.loss_scale:
+                return ConstantGradScaler(config.loss_scale)
+            return DynamicGradScaler(
+                initial_scale=config.initial_loss_scale,
+                min_scale=config.min_loss_scale,
+                growth_factor=2.0,
+                backoff_factor=0.5,
+                growth_interval=config.loss_scale_window,
+                hysteresis=config.hysteresis,
+            )
+
+    # ------------------------------------------------------------- helpers
+    def _pieces(self):
+        for group in self.optimizer.param_groups:
+            for owned in group["params"]:
+                yield group, owned
+
+    def owned_pieces(self) -> list[OwnedPiece]:
+        """Every piece this rank owns, in step order."""
+        return [owned for _, owned in self._pieces()]
+
+    def _grad_segments(self):
+        for chunk in self.model_chunks:
+            for unit in chunk.units:
+                yield unit.grad_segment
+
+    def _sync_model_from_masters(self) -> None:
+        for model_segment, master in self._masters:
+            if model_segment is not master:
+                model_segment.copy_(master)
+
+    @torch.no_grad()
+    def _grad_stats(self) -> tuple[bool, float, float | None]:
+        """(found inf/nan, global grad norm, zero count or None) with one scalar all-reduce.
+
+        Squares of fp32 values cannot overflow in fp64, so a non-finite sum of squares
+        means a non-finite gradient: no separate isfinite pass. Zeros are counted only
+        when megatron's ``log_num_zeros_in_grad`` asks for them."""
+        count_zeros = self.config.log_num_zeros_in_grad
+        local = torch.zeros(2, dtype=torch.float64, device=self.model_chunks[0].device)
+        for _, owned in self._pieces():
+            if owned.in_grad_norm:
+                local[0] += torch.linalg.vector_norm(owned.grad, dtype=torch.float64).square()
+                if count_zeros:
+                    local[1] += owned.grad.numel() - torch.count_nonzero(owned.grad)
+        if dist.get_world_size(self.grad_stats_parallel_group) > 1:
+            dist.all_reduce(local, group=self.grad_stats_parallel_group)
+        sumsq = local[0].item()
+        return not math.isfinite(sumsq), math.sqrt(sumsq), local[1].item() if count_zeros else None
+
+    # ---------------------------------------------------- MegatronOptimizer
+    def get_loss_scale(self) -> torch.Tensor:
+        if self.grad_scaler is None:
+            return torch.tensor([1.0], device=self.model_chunks[0].device)
+        return self.grad_scaler.scale
+
+    def prepare_grads(self) -> bool:
+        """Unscale gradients (fp16); return whether any rank found inf/nan."""
+        if self.grad_scaler is not None:
+            inv = self.grad_scaler.inv_scale.item()
+            for grad in self._grad_segments():
+                grad.mul_(inv)
+        found_inf, self._last_norm, self._last_zeros = self._grad_stats()
+        return found_inf
+
+    def get_grad_norm(self):
+        """The norm computed by the last ``prepare_grads`` (no second all-reduce)."""
+        return self._last_norm
+
+    def count_zeros(self) -> float:
+        return self._last_zeros
+
+    @torch.no_grad()
+    def step_with_ready_grads(self) -> bool:
+        self.step_count += 1
+        for group in self.optimizer.param_groups:
+            if group["params"]:
+                ctx = StepContext(self.config, self.step_count, group["lr"], group["weight_decay"], self.tp_group)
+                registry.get(group["optimizer"]).step(group["params"], ctx)
+        self._sync_model_from_masters()
+        return True
+
+    @torch.no_grad()
+    def step(self):
+        """Returns (success, grad norm, zero count), as megatron-core's optimizers do."""
+        found_inf = self.prepare_grads()
+        if self.grad_scaler is not None:
+            self.grad_scaler.update(found_inf)
+        if found_inf:
+            return False, None, None
+        grad_norm = self._last_norm
+        if self.config.clip_grad > 0:
+            coeff = self.config.clip_grad / (grad_norm + 1.0e-6)
+            if coeff < 1.0:
+                for grad in self._grad_segments():
+                    grad.mul_(coeff)
+        success = self.step_with_ready_grads()
+        return success, grad_norm, self._last_zeros
+
+    def zero_grad(self, set_to_none: bool = True):
+        for chunk in self.model_chunks:
+            chunk.zero_grad_buffer()
+
+    def reload_model_params(self, state_dict=None):
+        """Refresh fp32 masters from the model's segments (after loading weights)."""
+        for model_segment, master in self._masters:
+            if model_segment is not master:
+                master.copy_(model_segment)
+
+    # ---------------------------------------------------------- state dicts
+    def _layout_digest(self) -> list[str]:
+        return [chunk.plan.digest() for chunk in self.model_chunks]
+
+    def state_dict(self):
+        """This rank's optimizer state: masters and moments of the pieces it owns,
+        keyed by global parameter name and offset, plus the layout digest they belong to."""
+        return {
+            "layout_digest": self._layout_digest(),
+            "step": self.step_count,
+            "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups],
+            "master": {owned.key: owned.master.clone() for _, owned in self._pieces()},
+            "state": {key: {k: v.clone() for k, v in st.items()} for key, st in self.optimizer.state.items()},
+            "grad_scaler": self.grad_scaler.state_dict() if self.grad_scaler is not None else None,
+        }
+
+    @torch.no_grad()
+    def load_state_dict(self, state_dict):
+        if state_dict["layout_digest"] != self._layout_digest():
+            raise ValueError(
+                "optimizer checkpoint was saved with a different MatrixFSDP layout "
+                "(DP size, planner or model); resharding is not supported by this format"
+            )
+        self.step_count = state_dict["step"]
+        for group, saved in zip(self.optimizer.param_groups, state_dict["param_groups"]):
+            group.update(saved)
+        for _, owned in self._pieces():
+            owned.master.copy_(state_dict["master"][owned.key])
+            for k, v in state_dict["state"][owned.key].items():
+                owned.state[k].copy_(v)
+        self._sync_model_from_masters()
+        if self.grad_scaler is not None and state_dict.get("grad_scaler") is not None:
+            with cuda_on_cpu():
+                self.grad_scaler.load_state_dict(state_dict["grad_scaler"])
+
+    def _state_tensors(self, owned: OwnedPiece):
+        return [("master", owned.master)] + sorted(owned.state.items())
+
+    def sharded_state_dict(self, model_sharded_state_dict=None, is_loading: bool = False, metadata=None):
+        """Optimizer state as megatron-core dist_checkpointing ShardedTensors.
+
+        Each global parameter's master and moments are saved as a flat 1-D tensor of its
+        full numel; every owned piece is the uneven shard ``[param_offset, +numel)`` of it
+        (no regular grid: coverage is checked by DCP). Keys hold global names, so a load
+        at another DP size reads the same tensors with different offsets."""
+        from megatron.core.dist_checkpointing import ShardedObject, ShardedTensor
+
+        sharded = {}
+        for _, owned in self._pieces():
+            for tag, tensor in self._state_tensors(owned):
+                flat = tensor.view(-1)
+                sharded[f"{tag}.{owned.key}"] = ShardedTensor(
+                    key=f"optimizer.{tag}.{owned.global_name}",
+                    data=flat,
+                    dtype=flat.dtype,
+                    local_shape=(flat.numel(),),
+                    global_shape=(owned.param_numel,),
+                    global_offset=(owned.param_offset,),
+                    axis_fragmentations=None,
+                )
+        sharded["step"] = ShardedObject("optimizer.step", self.step_count, (1,), (0,), replica_id=dist.get_rank())
+        return sharded
+
+    @torch.no_grad()
+    def load_sharded_state_dict(self, loaded) -> None:
+        """Apply what ``dist_checkpointing.load`` returned for :meth:`sharded_state_dict`."""
+        for _, owned in self._pieces():
+            for tag, tensor in self._state_tensors(owned):
+                value = loaded[f"{tag}.{owned.key}"]
+                if value.data_ptr() != tensor.data_ptr():
+                    tensor.view(-1).copy_(value)
+        self._sync_model_from_masters()
+        self.step_count = loaded["step"]
+
+    def local_bytes(self) -> dict[str, int]:
+        """Bytes this rank holds for the optimizer (masters beyond fp32 params, states)."""
+        masters = sum(m.numel() * 4 for seg, m in self._masters if seg is not m)
+        states = sum(t.numel() * t.element_size() for st in self.optimizer.state.values() for t in st.values())
+        return {"masters": masters, "optimizer_state": states}
+
+
+def get_megatron_optimizer(config: OptimizerConfig, model_chunks: list) -> MatrixFSDPOptimizer:
+    """Mirror of megatron-core's ``get_megatron_optimizer(config, model_chunks)`` for
+    MatrixFSDP-wrapped chunks."""
+    for chunk in model_chunks:
+        if not hasattr(chunk, "plan") or not hasattr(chunk, "units"):
+            raise TypeError(f"model chunk {type(chunk).__name__} is not wrapped in MatrixFSDP")
+        if chunk.ddp_config.muon_split_qkv != config.muon_split_qkv:
+            raise ValueError("--muon-split-qkv must be the same for the planner and the optimizer")
+        if chunk.ddp_config.optimizer != config.optimizer:
+            raise ValueError(
+                f"the model chunks were placed for --optimizer {chunk.ddp_config.optimizer}, "
+                f"the optimizer is {config.optimizer}"
+            )
+    return MatrixFSDPOptimizer(config, model_chunks)

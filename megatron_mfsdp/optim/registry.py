@@ -1,0 +1,52 @@
+"""The update rules, one entry each. Adding an optimizer is one file that defines a
+``RULE`` (see rule.py and CONTRIBUTING.md) plus its entry in ``_ENTRIES``.
+
+The optimizer shell, placement and the command line read everything from here:
+the shell loops over rules by name, placement takes each rule's storage and cost,
+``--optimizer`` and ``--mfsdp-param-rule`` take their choices from the names.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from ..placement.rules import RuleKind, RuleSet
+from . import adamw, muon, muon_tp
+from .rule import UpdateRule
+
+_ENTRIES: tuple[UpdateRule, ...] = (muon.RULE, muon_tp.RULE, adamw.RULE)
+RULES: dict[str, UpdateRule] = {rule.name: rule for rule in _ENTRIES}
+
+
+def get(name: str) -> UpdateRule:
+    if name not in RULES:
+        raise ValueError(f"unknown update rule {name!r}; choose one of {', '.join(RULES)}")
+    return RULES[name]
+
+
+def order(name: str) -> int:
+    """Registration order: the order of the optimizer's param groups."""
+    return list(RULES).index(name)
+
+
+def optimizer_choices() -> list[str]:
+    """Values of --optimizer: rules that declare the optimizer name they stand for."""
+    return [rule.optimizer for rule in _ENTRIES if rule.optimizer]
+
+
+def rule_names() -> list[str]:
+    """Rules a user may name in --mfsdp-param-rule."""
+    return list(RULES)
+
+
+def matrix_rule(optimizer: str) -> str:
+    """The rule that --optimizer OPTIMIZER applies to the model's hidden matrices."""
+    for rule in _ENTRIES:
+        if rule.optimizer == optimizer:
+            return rule.name
+    raise ValueError(f"unknown optimizer {optimizer!r} (--optimizer); choose one of {', '.join(optimizer_choices())}")
+
+
+def rule_set(rules: Sequence[tuple[str, str]]) -> RuleSet:
+    """Placement's view of a rule list: each named rule's storage and cost."""
+    return RuleSet(tuple(rules), {name: RuleKind(rule.storage, rule.cost) for name, rule in RULES.items()})

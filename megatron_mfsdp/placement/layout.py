@@ -1,0 +1,201 @@
+"""The flat-buffer layout of every unit, and the plan that collects them.
+
+A unit's flat buffer is laid out as::
+
+    [ matrix region: rank 0's matrices | rank 1's | ... | rank W-1's ]
+    [ tail region:   rank 0's slice    | rank 1's | ... | rank W-1's ]
+
+Matrices (storage WHOLE) lie whole inside their owner's part of the matrix region;
+the tail (storage SLICE: norms, biases, embeddings, output layer) is split evenly by
+elements. Rank ``r``'s *segment* is its two parts; either may be empty. Each
+parameter is contiguous in the full buffer, so after a gather it is a plain view.
+Every rank computes the same plan from the same inputs; ``verify.py`` checks that.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+from .rules import WHOLE
+
+
+@dataclass
+class ParamSpec:
+    """What the planner needs to know of one parameter."""
+
+    name: str
+    shape: tuple[int, ...]
+    rule: str  # update-rule name
+    storage: str  # WHOLE or SLICE
+    cost: int = 0  # planner cost (Newton-Schulz flops for Muon), 0 for the tail
+    split_rows: tuple[int, ...] | None = None  # rows per group of blocks updated apart (QKV)
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+
+@dataclass
+class UnitSpec:
+    name: str
+    params: list[ParamSpec]
+
+
+@dataclass
+class ParamSlot:
+    """A parameter's place in its unit's flat buffer."""
+
+    name: str
+    shape: tuple[int, ...]
+    rule: str
+    storage: str
+    offset: int  # into the unit's full buffer
+    numel: int
+    owner: int  # owning DP rank of a WHOLE parameter, -1 for the evenly split tail
+    split_rows: tuple[int, ...] | None = None
+
+
+@dataclass
+class LocalPiece:
+    """The part of one parameter held in this rank's segment."""
+
+    slot: ParamSlot
+    segment_offset: int  # into this rank's segment
+    param_offset: int  # into the flattened parameter
+    numel: int
+
+
+@dataclass
+class UnitLayout:
+    index: int
+    name: str
+    world_size: int
+    slots: list[ParamSlot]
+    matrix_numel: int
+    tail_numel: int
+    matrix_bounds: list[int]  # W+1 offsets into the matrix region
+    tail_bounds: list[int]  # W+1 offsets into the tail region
+
+    @property
+    def numel(self) -> int:
+        return self.matrix_numel + self.tail_numel
+
+    def matrix_range(self, rank: int) -> tuple[int, int]:
+        """Rank's part of the matrix region, as offsets into the full buffer."""
+        return self.matrix_bounds[rank], self.matrix_bounds[rank + 1]
+
+    def tail_range(self, rank: int) -> tuple[int, int]:
+        """Rank's part of the tail region, as offsets into the full buffer."""
+        return (self.matrix_numel + self.tail_bounds[rank], self.matrix_numel + self.tail_bounds[rank + 1])
+
+    def segment_numel(self, rank: int) -> int:
+        (a, b), (c, d) = self.matrix_range(rank), self.tail_range(rank)
+        return (b - a) + (d - c)
+
+    def local_pieces(self, rank: int) -> list[LocalPiece]:
+        """Which parameter elements rank's segment holds, in segment order."""
+        m0, m1 = self.matrix_range(rank)
+        t0, t1 = self.tail_range(rank)
+        pieces = []
+        for start, end, seg_base in ((m0, m1, 0), (t0, t1, m1 - m0)):
+            for slot in self.slots:
+                lo, hi = max(start, slot.offset), min(end, slot.offset + slot.numel)
+                if lo < hi:
+                    pieces.append(LocalPiece(slot, seg_base + lo - start, lo - slot.offset, hi - lo))
+        return pieces
+
+
+@dataclass
+class Plan:
+    world_size: int
+    policy: str
+    units: list[UnitLayout]
+    cost_per_rank: list[int]  # planner cost (NS flops per iteration / 2) of each rank's owned matrices
+    element_size: int = 4
+
+    def digest(self) -> str:
+        """A hash of everything that decides the layout; equal on every rank or training is wrong."""
+        payload = json.dumps({"world_size": self.world_size, "units": [asdict(u) for u in self.units]}, sort_keys=True)
+        return hashlib.sha256(payload.encode()).hexdigest()
+
+    def per_rank_load(self) -> tuple[list[int], list[int]]:
+        """(owned elements, planner cost) per rank."""
+        elements = [0] * self.world_size
+        for unit in self.units:
+            for r in range(self.world_size):
+                elements[r] += unit.segment_numel(r)
+        return elements, list(self.cost_per_rank)
+
+    def report(self) -> str:
+        """A printable table: owned bytes and Newton-Schulz flops per rank, with max/mean."""
+        elements, costs = self.per_rank_load()
+        nbytes = [e * self.element_size for e in elements]
+        lines = [
+            f"MatrixFSDP plan: {len(self.units)} units over {self.world_size} DP ranks, policy {self.policy}",
+            f"{'rank':>6} {'owned bytes':>14} {'NS flops/iter':>16} {'matrices':>9}",
+        ]
+        owned = [0] * self.world_size
+        for unit in self.units:
+            for slot in unit.slots:
+                if slot.owner >= 0:
+                    owned[slot.owner] += 1
+        for r in range(self.world_size):
+            lines.append(f"{r:>6} {nbytes[r]:>14,} {2 * costs[r]:>16,} {owned[r]:>9}")
+        lines.append(f"max/mean: bytes {balance(nbytes):.3f}, NS flops {balance(costs):.3f}")
+        return "\n".join(lines)
+
+
+def balance(values: Sequence[float]) -> float:
+    """max/mean; 1.0 is perfect. Defined as 1.0 when everything is zero."""
+    mean = sum(values) / len(values)
+    return max(values) / mean if mean > 0 else 1.0
+
+
+def even_bounds(numel: int, world_size: int) -> list[int]:
+    """W+1 offsets splitting ``numel`` elements evenly; the first ``numel % W`` ranks get one more."""
+    base, extra = divmod(numel, world_size)
+    bounds = [0]
+    for r in range(world_size):
+        bounds.append(bounds[-1] + base + (1 if r < extra else 0))
+    return bounds
+
+
+def layout_units(units: Sequence[UnitSpec], world_size: int, owners: dict[str, int], policy: str) -> Plan:
+    """Lay out every unit given the owner of each WHOLE parameter."""
+    layouts = []
+    cost = [0] * world_size
+    for index, unit in enumerate(units):
+        matrices = [p for p in unit.params if p.storage == WHOLE]
+        tail = [p for p in unit.params if p.storage != WHOLE]
+        slots, offset, bounds = [], 0, [0]
+        for r in range(world_size):
+            for p in matrices:  # model order within an owner
+                if owners[p.name] == r:
+                    slots.append(ParamSlot(p.name, tuple(p.shape), p.rule, p.storage, offset, p.numel, r, p.split_rows))
+                    offset += p.numel
+                    cost[r] += p.cost
+            bounds.append(offset)
+        matrix_numel = offset
+        for p in tail:
+            slots.append(ParamSlot(p.name, tuple(p.shape), p.rule, p.storage, offset, p.numel, -1, p.split_rows))
+            offset += p.numel
+        tail_numel = offset - matrix_numel
+        layouts.append(
+            UnitLayout(
+                index,
+                unit.name,
+                world_size,
+                slots,
+                matrix_numel,
+                tail_numel,
+                bounds,
+                even_bounds(tail_numel, world_size),
+            )
+        )
+    return Plan(world_size, policy, layouts, cost)

@@ -1,0 +1,44 @@
+"""Agreement checks across ranks, so that ranks that diverged fail loudly instead of
+hanging in (or corrupting) a collective: the plan digest at start-up, and a
+3-integer signature before every owner collective."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .layout import Plan
+
+GATHER, REDUCE = 1, 2
+_OP_NAMES = {GATHER: "gather", REDUCE: "reduce"}
+
+
+def verify_plan_agreement(plan: Plan, group) -> None:
+    """Compare the plan digest across the group; raise naming the ranks that disagree."""
+    if group is None or dist.get_world_size(group) == 1:
+        return
+    digests = [None] * dist.get_world_size(group)
+    dist.all_gather_object(digests, plan.digest(), group=group)
+    if len(set(digests)) != 1:
+        by_digest: dict[str, list[int]] = {}
+        for r, d in enumerate(digests):
+            by_digest.setdefault(d, []).append(r)
+        groups = "; ".join(f"ranks {ranks}: {d[:12]}" for d, ranks in by_digest.items())
+        raise RuntimeError(
+            "MatrixFSDP ranks computed different placement plans (different models, parameter "
+            f"rules or planner settings per rank?): {groups}"
+        )
+
+
+def check_signature(group, unit_index: int, op: int, numel: int, device=None) -> None:
+    """All-gather (unit, op, numel) and raise on any mismatch."""
+    world = dist.get_world_size(group)
+    mine = torch.tensor([unit_index, op, numel], dtype=torch.int64, device=device)
+    everyone = torch.empty(world * 3, dtype=torch.int64, device=device)
+    dist.all_gather_into_tensor(everyone, mine, group=group)
+    rows = everyone.view(world, 3).tolist()
+    if any(row != rows[0] for row in rows):
+        described = ", ".join(
+            f"rank {r}: {_OP_NAMES.get(op, op)} unit {u} ({n} elements)" for r, (u, op, n) in enumerate(rows)
+        )
+        raise RuntimeError(f"MatrixFSDP collective mismatch across the data-parallel group: {described}")

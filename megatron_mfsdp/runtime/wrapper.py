@@ -1,0 +1,310 @@
+"""The owner-sharded ZeRO-3 runtime: a model wrapper that keeps only this rank's
+segment of every unit and materializes units around their use.
+
+Life of a unit in one training step (see docs/design.md)::
+
+    forward:  acquire (gather from owners, prefetch next) -> compute -> release
+    backward: acquire again (hook on the unit's output) -> compute -> grads ready
+              -> reduce: each owner receives its segment summed over DP -> release
+
+Released parameters point at an empty tensor. A gathered buffer is never resized or
+reused in place: releasing only drops our reference, so a view that autograd (or user
+code) still holds keeps its own storage alive and stays correct, and the memory
+returns when that view dies.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from torch.utils._pytree import tree_flatten
+
+from ..config import MatrixFSDPConfig
+from ..groups import ProcessGroups
+from ..models import ModelAdapter, ModelUnit, adapter_for
+from ..optim import registry
+from ..placement.layout import ParamSpec, Plan, UnitLayout, UnitSpec
+from ..placement.planner import plan_units
+from ..placement.verify import verify_plan_agreement
+from .comm import SegmentComm, all_reduce_flat
+
+
+class _UnitState:
+    """Runtime state of one unit on this rank."""
+
+    def __init__(self, unit: ModelUnit, layout: UnitLayout, rank: int, dtype: torch.dtype, grad_dtype, device):
+        self.unit = unit
+        self.layout = layout
+        by_name = dict(unit.params)
+        self.params = [(slot, by_name[slot.name]) for slot in layout.slots]
+        self.pieces = layout.local_pieces(rank)
+        self.param_segment = torch.empty(layout.segment_numel(rank), dtype=dtype, device=device)
+        self.grad_segment = torch.zeros(layout.segment_numel(rank), dtype=torch.float32, device=device)
+        self.grad_dtype = grad_dtype
+        self.full: torch.Tensor | None = None
+        self.pending = None  # a PendingGather of a prefetch in flight
+        self.forward_refs = 0
+        self.held_for_backward = False
+        self.grads_seen = 0
+        self.grad_params = sum(1 for _, p in self.params if p.requires_grad)
+
+
+def unit_specs(units: list[ModelUnit], ddp_config: MatrixFSDPConfig, adapter: ModelAdapter, config) -> list[UnitSpec]:
+    """Classify and cost the parameters of model units for the planner: user rules first,
+    then the model's own, each rule's storage and cost from the optimizer's registry."""
+    rules = registry.rule_set(
+        list(ddp_config.param_rules) + adapter.param_rules(registry.matrix_rule(ddp_config.optimizer))
+    )
+    specs = []
+    for unit in units:
+        params = []
+        for name, p in unit.params:
+            rule = rules.classify(name, p.shape)
+            split = adapter.split_rows(name, config) if ddp_config.muon_split_qkv else None
+            params.append(
+                ParamSpec(
+                    name, tuple(p.shape), rule, rules.storage(rule), rules.cost(rule, tuple(p.shape), split), split
+                )
+            )
+        specs.append(UnitSpec(unit.name, params))
+    return specs
+
+
+class MatrixFSDP(torch.nn.Module):
+    """Owner-sharded ZeRO-3 wrapper of a megatron-core model chunk.
+
+    Mirrors megatron-core's ``DistributedDataParallel``: holds ``module``, ``config``
+    (the TransformerConfig) and ``ddp_config`` (a MatrixFSDPConfig), and offers
+    ``zero_grad_buffer``, ``no_sync``, ``finish_grad_sync``. ``groups`` defaults to
+    megatron's parallel_state groups; ``adapter`` to the model's own (models/).
+    """
+
+    def __init__(
+        self,
+        config,
+        ddp_config: MatrixFSDPConfig,
+        module: torch.nn.Module,
+        groups: ProcessGroups | None = None,
+        adapter: ModelAdapter | None = None,
+    ):
+        super().__init__()
+        self.config, self.ddp_config, self.module = config, ddp_config, module
+        self.groups = groups if groups is not None else ProcessGroups.from_parallel_state()
+        self.dp_rank, self.dp_size = self.groups.dp_shard_rank, self.groups.dp_shard_size
+        self.gradient_scaling_factor = 1.0 / (self.dp_size * self.groups.replica_size)
+        adapter = adapter if adapter is not None else adapter_for(module)
+        units = adapter.units(module)
+        self.global_names: dict[str, str] = adapter.global_names(module)
+        self.plan: Plan = plan_units(unit_specs(units, ddp_config, adapter, config), self.dp_size, ddp_config.planner)
+        verify_plan_agreement(self.plan, self.groups.dp_shard)
+        if self.groups.tp_size > 1:  # a matrix's TP shards must share one DP owner
+            verify_plan_agreement(self.plan, self.groups.tp)
+        dtypes = {p.dtype for u in units for _, p in u.params}
+        if len(dtypes) != 1:
+            raise ValueError(f"MatrixFSDP needs one parameter dtype per model chunk, found {dtypes}")
+        self.param_dtype = dtypes.pop()
+        self.device = next(p.device for u in units for _, p in u.params)
+        self.plan.element_size = torch.empty(0, dtype=self.param_dtype).element_size()
+        grad_dtype = torch.float32 if ddp_config.grad_reduce_in_fp32 else self.param_dtype
+        self.comm = SegmentComm(self.groups, ddp_config.verify_collectives, self.device)
+        self._empty = torch.empty(0, dtype=self.param_dtype, device=self.device)
+        self.units = [
+            _UnitState(u, layout, self.dp_rank, self.param_dtype, grad_dtype, self.device)
+            for u, layout in zip(units, self.plan.units)
+        ]
+        self._shard_initial_weights()
+        self._install_hooks()
+
+    # ------------------------------------------------------------------ setup
+    @torch.no_grad()
+    def _shard_initial_weights(self) -> None:
+        """Keep this rank's segment of the (identically initialized) full weights,
+        then drop the full weights: from here on, owners are the source of truth."""
+        for state in self.units:
+            by_name = {slot.name: p for slot, p in state.params}
+            for piece in state.pieces:
+                src = by_name[piece.slot.name].detach().reshape(-1)
+                state.param_segment[piece.segment_offset : piece.segment_offset + piece.numel].copy_(
+                    src[piece.param_offset : piece.param_offset + piece.numel]
+                )
+            for _, p in state.params:
+                p.data = self._empty
+                p.grad = None
+
+    def _install_hooks(self) -> None:
+        """Acquire before the first module of a unit, release after the last;
+        extra sites (a tied output layer) acquire and release around themselves."""
+        acquire_at: dict[torch.nn.Module, list[_UnitState]] = {}
+        release_at: dict[torch.nn.Module, list[_UnitState]] = {}
+        for state in self.units:
+            acquire_at.setdefault(state.unit.modules[0], []).append(state)
+            release_at.setdefault(state.unit.modules[-1], []).append(state)
+            for site in state.unit.extra_sites:
+                acquire_at.setdefault(site, []).append(state)
+                release_at.setdefault(site, []).append(state)
+        for module, states in acquire_at.items():
+            module.register_forward_pre_hook(self._make_pre_forward(module, states))
+        for module, states in release_at.items():
+            module.register_forward_hook(self._make_post_forward(states))
+        for state in self.units:
+            for _, p in state.params:
+                if p.requires_grad:
+                    p.register_post_accumulate_grad_hook(self._make_grad_ready(state))
+
+    def _make_pre_forward(self, module, states):
+        def hook(module, args):
+            for state in states:
+                self._acquire(state)
+                state.forward_refs += 1
+                if module is state.unit.modules[0]:  # not at extra sites (a tied output layer)
+                    self._prefetch(state.layout.index + 1)
+
+        return hook
+
+    def _make_post_forward(self, states):
+        def hook(module, args, output):
+            for state in states:
+                state.forward_refs -= 1
+                if state.forward_refs == 0 and not state.held_for_backward:
+                    self._release(state)
+            if torch.is_grad_enabled():
+                tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+                for t in tensors:
+                    t.register_hook(self._make_pre_backward(states))
+            return None
+
+        return hook
+
+    def _make_pre_backward(self, states):
+        def hook(grad):
+            for state in states:
+                if state.grad_params and not state.held_for_backward:
+                    self._acquire(state)
+                    state.held_for_backward = True
+                    self._prefetch(state.layout.index - 1)
+            return None
+
+        return hook
+
+    def _make_grad_ready(self, state: _UnitState):
+        def hook(param):
+            state.grads_seen += 1
+            if state.grads_seen == state.grad_params:
+                self._reduce_and_release(state)
+
+        return hook
+
+    # ------------------------------------------------------- materialization
+    def _prefetch(self, index: int) -> None:
+        if not self.ddp_config.prefetch or not 0 <= index < len(self.units):
+            return
+        state = self.units[index]
+        if state.full is None and state.pending is None:
+            state.pending = self.comm.start_gather(state.layout, state.param_segment)
+
+    def _acquire(self, state: _UnitState) -> None:
+        if state.full is not None:
+            return
+        pending = (
+            state.pending if state.pending is not None else self.comm.start_gather(state.layout, state.param_segment)
+        )
+        state.pending = None
+        full = pending.wait()
+        state.full = full
+        for slot, p in state.params:
+            p.data = full[slot.offset : slot.offset + slot.numel].view(slot.shape)
+
+    def _release(self, state: _UnitState) -> None:
+        for _, p in state.params:
+            p.data = self._empty
+        state.full = None
+
+    @torch.no_grad()
+    def _reduce_and_release(self, state: _UnitState) -> None:
+        layout = state.layout
+        if self.groups.tp_size > 1 and getattr(self.config, "sequence_parallel", False):
+            # Norms and biases see only this TP rank's part of the sequence: sum their
+            # gradients over TP (megatron's finalize_model_grads does the same).
+            all_reduce_flat(
+                [p.grad for _, p in state.params if p.grad is not None and getattr(p, "sequence_parallel", False)],
+                self.groups.tp,
+            )
+        flat = torch.zeros(layout.numel, dtype=state.grad_dtype, device=self.device)
+        for slot, p in state.params:
+            if p.grad is not None:
+                flat[slot.offset : slot.offset + slot.numel].copy_(p.grad.reshape(-1))
+                p.grad = None
+        flat.mul_(self.gradient_scaling_factor)
+        state.grad_segment.add_(self.comm.start_reduce(layout, flat).wait())
+        state.grads_seen = 0
+        state.held_for_backward = False
+        self._release(state)
+
+    # ------------------------------------------------ megatron DDP interface
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def zero_grad_buffer(self) -> None:
+        """Zero this rank's gradient segments (megatron-core DDP's name)."""
+        for state in self.units:
+            state.grad_segment.zero_()
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Accepted for megatron's schedules. ZeRO-3 keeps no full gradients, so gradients
+        are still reduced after every micro-batch (into the owners' fp32 accumulators):
+        the same sum as deferring the sync, added per micro-batch."""
+        yield
+
+    def start_grad_sync(self, *unused) -> None:
+        pass
+
+    def finish_grad_sync(self) -> None:
+        """Reduce any unit whose gradients were not all produced (parameters unused in this
+        step). Every rank sees the same graph, so they agree on which."""
+        for state in self.units:
+            if state.grads_seen or state.held_for_backward:
+                self._reduce_and_release(state)
+
+    def scale_gradients(self, scaling_factor: float) -> None:
+        for state in self.units:
+            state.grad_segment.mul_(scaling_factor)
+
+    # ------------------------------------------------------------ utilities
+    @contextlib.contextmanager
+    def materialized(self) -> Iterator[None]:
+        """Gather every unit for the duration of the block (state dicts, evaluation outside
+        hooks, checkpoint conversion). Collective: call on all DP ranks."""
+        for state in self.units:
+            self._acquire(state)
+            state.forward_refs += 1
+        try:
+            yield
+        finally:
+            for state in self.units:
+                state.forward_refs -= 1
+                if state.forward_refs == 0:
+                    self._release(state)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Full (unsharded) model weights, cloned, on every rank."""
+        with self.materialized():
+            return {k: v.detach().clone() for k, v in self.module.state_dict().items() if isinstance(v, torch.Tensor)}
+
+    def gathered(self, which: str = "param") -> list[torch.Tensor]:
+        """Every unit's full flat buffer of parameters ('param') or reduced gradients ('grad'),
+        gathered from the owners' segments. Collective."""
+        out = []
+        for state in self.units:
+            segment = state.param_segment if which == "param" else state.grad_segment
+            out.append(self.comm.start_gather(state.layout, segment).wait())
+        return out
+
+    def local_bytes(self) -> dict[str, int]:
+        """Bytes this rank holds persistently for the model (not the optimizer)."""
+        return {
+            "params": sum(s.param_segment.numel() * s.param_segment.element_size() for s in self.units),
+            "grads": sum(s.grad_segment.numel() * s.grad_segment.element_size() for s in self.units),
+        }

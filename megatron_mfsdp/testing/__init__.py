@@ -1,0 +1,25 @@
+"""What tests and benchmarks share: gloo workers and collective counting (workers), a
+tiny GPT and its data (tiny), the single-process reference trainer (reference) and the
+Muon baselines (baselines)."""
+
+from .reference import assemble_optimizer_state, reference_train
+from .tiny import MBS, SEQ, VOCAB, init_megatron, lm_loss, micro_batch, optimizer_config, tiny_gpt, tiny_gpt_config
+from .workers import CallLog, count_collectives, free_port, run_workers
+
+__all__ = [
+    "assemble_optimizer_state",
+    "reference_train",
+    "MBS",
+    "SEQ",
+    "VOCAB",
+    "init_megatron",
+    "lm_loss",
+    "micro_batch",
+    "optimizer_config",
+    "tiny_gpt",
+    "tiny_gpt_config",
+    "CallLog",
+    "count_collectives",
+    "free_port",
+    "run_workers",
+]

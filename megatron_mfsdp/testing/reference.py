@@ -1,0 +1,135 @@
+"""The single-process reference trainer the exactness tests compare against, and the
+helpers that join per-rank optimizer state for that comparison."""
+
+from __future__ import annotations
+
+import torch
+
+from .tiny import lm_loss, micro_batch
+
+
+def _reduced_gradients(model, params, step: int, world_size: int, num_micro: int):
+    """Every rank's micro-batches through one process, summed as MatrixFSDP sums them: per
+    micro-batch each rank's gradient is scaled by 1/W and the W contributions are added in
+    rank order, then into the fp32 accumulator. Returns (accumulators, mean loss)."""
+    acc = {n: torch.zeros(p.numel(), dtype=torch.float32) for n, p in params.items()}
+    step_loss = 0.0
+    for k in range(num_micro):
+        contributions = []
+        for r in range(world_size):
+            model.zero_grad(set_to_none=True)
+            loss = lm_loss(model, micro_batch(step, k, r), num_micro)
+            loss.backward()
+            step_loss += loss.item() / world_size
+            contributions.append({n: p.grad.reshape(-1).float() * (1.0 / world_size) for n, p in params.items()})
+        for n in params:
+            total = contributions[0][n].clone()
+            for r in range(1, world_size):
+                total.add_(contributions[r][n])
+            acc[n].add_(total)
+    return acc, step_loss
+
+
+def _clip_(acc, clip_grad: float) -> None:
+    norm = float(sum(a.double().square().sum() for a in acc.values()).sqrt())
+    if clip_grad > 0 and clip_grad / (norm + 1e-6) < 1.0:
+        for a in acc.values():
+            a.mul_(clip_grad / (norm + 1e-6))
+
+
+def reference_train(
+    model, config, opt_config, world_size: int, steps: int, num_micro: int, muon_blocks: int = 1
+) -> dict:
+    """Single-process training that processes every rank's micro-batches and averages the
+    way MatrixFSDP does, then updates each parameter with the library's own rule math.
+
+    ``muon_blocks`` > 1 orthogonalizes each matrix in that many blocks along its
+    tensor-parallel split dimension: what blockwise Muon does at that TP size."""
+    from ..models.gpt import gpt_param_rules, qkv_split_rows
+    from ..optim import registry
+
+    rules = registry.rule_set(gpt_param_rules(registry.matrix_rule(opt_config.optimizer)))
+    params = dict(model.named_parameters())
+    state = {n: {} for n in params}
+    qkv_rows = qkv_split_rows(config) if opt_config.muon_split_qkv else None
+    losses = []
+    for step in range(1, steps + 1):
+        acc, step_loss = _reduced_gradients(model, params, step, world_size, num_micro)
+        losses.append(step_loss)
+        _clip_(acc, opt_config.clip_grad)
+        with torch.no_grad():
+            for n, p in params.items():
+                if rules.classify(n, p.shape) == "muon":
+                    split = qkv_rows if n.endswith("linear_qkv.weight") else None
+                    _muon_blocks_step(p, acc[n], state[n], opt_config, split, muon_blocks)
+                else:
+                    _adamw_step(p, n, acc[n], state[n], opt_config, step)
+    return {
+        "params": {n: p.detach().clone() for n, p in params.items()},
+        "state": {n: {k: v.reshape(-1).clone() for k, v in st.items()} for n, st in state.items()},
+        "losses": losses,
+    }
+
+
+def _adamw_step(p, name, grad, state, opt_config, step: int) -> None:
+    from ..optim.adamw import adamw_step_
+    from ..optim.optimizer import no_weight_decay
+
+    wd = 0.0 if no_weight_decay(name, p.shape) else opt_config.weight_decay
+    m = state.setdefault("exp_avg", torch.zeros(p.numel()))
+    v = state.setdefault("exp_avg_sq", torch.zeros(p.numel()))
+    b1, b2 = opt_config.adam_beta1, opt_config.adam_beta2
+    adamw_step_(
+        p.data.view(-1),
+        grad,
+        m,
+        v,
+        lr=opt_config.lr,
+        weight_decay=wd,
+        beta1=b1,
+        beta2=b2,
+        eps=opt_config.adam_eps,
+        bias_correction1=1 - b1**step,
+        bias_correction2=1 - b2**step,
+    )
+
+
+def _muon_blocks_step(p, grad, state, opt_config, split, blocks: int) -> None:
+    """muon_step_ on each block along the TP split dimension, written back in place."""
+    from ..optim.muon import muon_kwargs, muon_step_
+
+    buf = state.setdefault("momentum_buffer", torch.zeros(p.shape))
+    dim = getattr(p, "partition_dim", 0)
+    for block, grad_block, buf_block in zip(
+        p.data.chunk(blocks, dim), grad.view(p.shape).chunk(blocks, dim), buf.chunk(blocks, dim)
+    ):
+        work, work_buf = block.contiguous(), buf_block.contiguous()
+        muon_step_(
+            work,
+            grad_block.contiguous(),
+            work_buf,
+            lr=opt_config.lr,
+            weight_decay=opt_config.weight_decay,
+            momentum=opt_config.muon_momentum,
+            nesterov=opt_config.muon_use_nesterov,
+            qkv_split_shapes=split,
+            **muon_kwargs(opt_config),
+        )
+        block.copy_(work)
+        buf_block.copy_(work_buf)
+
+
+def assemble_optimizer_state(rank_states: list[dict], shapes: dict[str, tuple]) -> dict:
+    """Join the per-rank optimizer pieces (name@offset -> tensors) into full flat tensors."""
+    full: dict[str, dict[str, torch.Tensor]] = {}
+    for sd in rank_states:
+        for key, st in sd["state"].items():
+            name, offset = key.rsplit("@", 1)
+            offset = int(offset)
+            numel = 1
+            for s in shapes[name]:
+                numel *= s
+            for k, v in list(st.items()) + [("master", sd["master"][key])]:
+                flat = full.setdefault(name, {}).setdefault(k, torch.full((numel,), float("nan")))
+                flat[offset : offset + v.numel()] = v.reshape(-1)
+    return full

@@ -1,0 +1,105 @@
+"""A tiny megatron-core GPT and its data, the same on every rank: what the tests and
+the benchmarks train."""
+
+from __future__ import annotations
+
+import torch
+
+VOCAB, SEQ, MBS = 96, 16, 2
+
+
+def init_megatron(tp: int = 1, pp: int = 1, vp: int | None = None) -> None:
+    from megatron.core import parallel_state
+
+    parallel_state.initialize_model_parallel(tp, pp, virtual_pipeline_model_parallel_size=vp)
+
+
+def tiny_gpt_config(**overrides):
+    """A few-layer fp32 GPT config that runs in seconds on a CPU."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    kwargs = dict(
+        num_layers=2,
+        hidden_size=64,
+        ffn_hidden_size=128,
+        num_attention_heads=4,
+        num_query_groups=2,
+        use_cpu_initialization=True,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        gradient_accumulation_fusion=False,
+        apply_rope_fusion=False,
+    )
+    kwargs.update(overrides)
+    return TransformerConfig(**kwargs)
+
+
+def tiny_gpt(
+    seed: int = 1234,
+    by_global_name: bool = False,
+    pre_process: bool = True,
+    post_process: bool = True,
+    vp_stage=None,
+    vocab_size: int = VOCAB,
+    seq_length: int = SEQ,
+    **config_overrides,
+):
+    """A 2-layer GPT (GQA, tied embeddings) built identically on every rank;
+    ``by_global_name`` seeds each weight from its global name (layout-independent)."""
+    from megatron.core import parallel_state
+
+    from ..models.gpt import build_gpt_model, initialize_by_global_name
+
+    torch.manual_seed(seed)
+    config = tiny_gpt_config(**config_overrides)
+    model = build_gpt_model(
+        config,
+        vocab_size=vocab_size,
+        max_sequence_length=seq_length,
+        pre_process=pre_process,
+        post_process=post_process,
+        vp_stage=vp_stage,
+    )
+    if by_global_name:
+        initialize_by_global_name(
+            model,
+            config,
+            seed,
+            parallel_state.get_tensor_model_parallel_rank(),
+            parallel_state.get_tensor_model_parallel_world_size(),
+        )
+    return config, model
+
+
+def micro_batch(step: int, micro: int, dp_rank: int) -> torch.Tensor:
+    """Tokens of one rank's micro-batch: a pure function of (step, micro-batch, rank)."""
+    g = torch.Generator().manual_seed(100_000 * step + 100 * micro + dp_rank)
+    return torch.randint(0, VOCAB, (MBS, SEQ), generator=g)
+
+
+def lm_loss(model, tokens: torch.Tensor, num_micro: int) -> torch.Tensor:
+    positions = torch.arange(tokens.shape[1]).expand_as(tokens)
+    per_token = model(tokens, positions, None, labels=tokens)
+    return per_token.float().mean() / num_micro
+
+
+def optimizer_config(**overrides):
+    """The optimizer settings the exactness tests use (fp32 Newton-Schulz, no clipping)."""
+    from ..config import MatrixFSDPOptimizerConfig
+
+    kwargs = dict(
+        lr=1e-2,
+        min_lr=1e-2,
+        weight_decay=0.1,
+        clip_grad=0.0,
+        muon_ns_dtype="fp32",
+        adam_beta1=0.9,
+        adam_beta2=0.95,
+        adam_eps=1e-8,
+    )
+    kwargs.update(overrides)
+    return MatrixFSDPOptimizerConfig(**kwargs)

@@ -1,0 +1,257 @@
+"""Run a function on several gloo processes, and count the torch.distributed collectives
+made in a block (how the tests prove the optimizer step moves no tensor data).
+
+Starting a process that imports torch and megatron-core costs seconds of CPU, which on a
+2-core machine dominates a test suite of tiny models. So ``run_workers`` keeps one pool of
+gloo processes per (world size, threads) alive for the whole session and sends it one task
+after another; each task leaves the process as it found it (megatron's parallel state
+destroyed, deterministic mode off). ``fresh=True`` (or ``MFSDP_FRESH_WORKERS=1``) spawns
+new processes instead, as the benchmarks do.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import queue
+import socket
+import tempfile
+import time
+import traceback
+import warnings
+from collections.abc import Callable
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+COLLECTIVES = (
+    "all_reduce",
+    "broadcast",
+    "all_gather",
+    "all_gather_into_tensor",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "all_to_all",
+    "all_to_all_single",
+    "reduce",
+    "gather",
+    "scatter",
+    "send",
+    "recv",
+    "isend",
+    "irecv",
+    "batch_isend_irecv",
+    "all_gather_object",
+    "broadcast_object_list",
+    "barrier",
+    "all_reduce_coalesced",
+)
+
+COLLECTIVE_TIMEOUT_S = 300  # a rank stuck in a collective raises after this, instead of hanging
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _init(rank: int, world_size: int, port: int, threads: int) -> None:
+    warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank)
+    )
+    torch.set_num_threads(threads)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+
+
+def _run_task(rank: int, world_size: int, fn, args, out_dir: str) -> None:
+    try:
+        result = fn(rank, world_size, *args)
+        torch.save(result, os.path.join(out_dir, f"result{rank}.pt"))
+    except BaseException:
+        with open(os.path.join(out_dir, f"error{rank}.txt"), "w") as f:
+            f.write(traceback.format_exc())
+    finally:
+        _reset_process_state()
+        with open(os.path.join(out_dir, f"done{rank}"), "w"):
+            pass
+
+
+def _reset_process_state() -> None:
+    """Undo what a task may have set up, so the next task starts as in a fresh process."""
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    torch.use_deterministic_algorithms(False)
+
+
+def _fresh_entry(rank, world_size, port, threads, fn, args, out_dir):
+    _init(rank, world_size, port, threads)
+    try:
+        _run_task(rank, world_size, fn, args, out_dir)
+    finally:
+        dist.destroy_process_group()
+
+
+def _pool_entry(rank, world_size, port, threads, tasks):
+    _init(rank, world_size, port, threads)
+    parent = os.getppid()
+    while os.getppid() == parent:  # exit with the parent, however it died
+        try:
+            task = tasks.get(timeout=2)
+        except queue.Empty:
+            continue
+        if task is None:
+            break
+        _run_task(rank, world_size, *task)
+    dist.destroy_process_group()
+
+
+def _collect(out_dir: str, world_size: int, what: str) -> list:
+    errors = sorted(f for f in os.listdir(out_dir) if f.startswith("error"))
+    if errors:
+        with open(os.path.join(out_dir, errors[0])) as f:
+            raise RuntimeError(f"worker failed ({errors[0]}):\n{f.read()}")
+    missing = [r for r in range(world_size) if not os.path.exists(os.path.join(out_dir, f"result{r}.pt"))]
+    if missing:
+        raise RuntimeError(f"workers {missing} returned no result ({what})")
+    return [torch.load(os.path.join(out_dir, f"result{r}.pt"), weights_only=False) for r in range(world_size)]
+
+
+class WorkerPool:
+    """``world_size`` gloo processes that run one task after another."""
+
+    def __init__(self, world_size: int, threads: int = 1):
+        ctx = mp.get_context("spawn")
+        self.world_size = world_size
+        self.tasks = [ctx.Queue() for _ in range(world_size)]
+        port = free_port()
+        self.procs = [
+            ctx.Process(target=_pool_entry, args=(r, world_size, port, threads, self.tasks[r]))
+            for r in range(world_size)
+        ]
+        for p in self.procs:
+            p.start()
+
+    def alive(self) -> bool:
+        return all(p.is_alive() for p in self.procs)
+
+    def run(self, fn: Callable, args: tuple, timeout: float) -> list:
+        with tempfile.TemporaryDirectory() as out_dir:
+            for q in self.tasks:
+                q.put((fn, args, out_dir))
+            deadline = time.monotonic() + timeout
+            while not all(os.path.exists(os.path.join(out_dir, f"done{r}")) for r in range(self.world_size)):
+                if time.monotonic() > deadline or not self.alive():
+                    self.close(kill=True)
+                    _collect(out_dir, self.world_size, f"pool died or timed out after {timeout}s")
+                    raise RuntimeError(f"worker pool died or timed out after {timeout}s")
+                time.sleep(0.01)
+            try:
+                return _collect(out_dir, self.world_size, "pool")
+            except RuntimeError:
+                self.close(kill=True)  # a failed rank may have left the others' collectives in any state
+                raise
+
+    def close(self, kill: bool = False) -> None:
+        for p, q in zip(self.procs, self.tasks):
+            if kill:
+                p.kill()
+            elif p.is_alive():
+                try:
+                    q.put(None)
+                except (OSError, ValueError, queue.Full):
+                    p.kill()
+        for p in self.procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+
+
+_POOLS: dict[tuple[int, int], WorkerPool] = {}
+
+
+@atexit.register
+def close_pools() -> None:
+    while _POOLS:
+        _POOLS.popitem()[1].close(kill=True)  # idle and holding nothing: no need to wait
+
+
+def run_workers(
+    world_size: int, fn: Callable, *args, threads: int | None = None, timeout: float = 900, fresh: bool = False
+) -> list:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo processes (``threads``
+    intra-op threads each, default 1); return every rank's result, or raise with the first
+    failing rank's traceback. ``fn`` must be importable (a module-level function)."""
+    threads = threads or 1
+    if fresh or os.environ.get("MFSDP_FRESH_WORKERS") == "1":
+        return _run_fresh(world_size, fn, args, threads, timeout)
+    pool = _POOLS.get((world_size, threads))
+    if pool is None or not pool.alive():
+        pool = _POOLS[(world_size, threads)] = WorkerPool(world_size, threads)
+    return pool.run(fn, args, timeout)
+
+
+def _run_fresh(world_size: int, fn: Callable, args: tuple, threads: int, timeout: float) -> list:
+    ctx = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory() as out_dir:
+        port = free_port()
+        procs = [
+            ctx.Process(target=_fresh_entry, args=(r, world_size, port, threads, fn, args, out_dir))
+            for r in range(world_size)
+        ]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout
+        for p in procs:
+            p.join(max(1.0, deadline - time.monotonic()))
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+        return _collect(out_dir, world_size, f"exit codes {[p.exitcode for p in procs]}, timeout {timeout}s")
+
+
+class CallLog(list):
+    """(name, tensor elements passed) per collective call, in call order."""
+
+    def summary(self):
+        """(number of calls other than barriers, {name: (calls, elements)})."""
+        tensor_calls = [(n, k) for n, k in self if n != "barrier"]
+        by_name = {}
+        for n, k in tensor_calls:
+            c, e = by_name.get(n, (0, 0))
+            by_name[n] = (c + 1, e + k)
+        return len(tensor_calls), by_name
+
+
+class count_collectives:
+    """Record every torch.distributed collective made inside the block;
+    ``with count_collectives() as calls: ...`` gives a :class:`CallLog`."""
+
+    def __enter__(self) -> CallLog:
+        self.calls = CallLog()
+        self._saved = {}
+        for name in COLLECTIVES:
+            fn = getattr(dist, name, None)
+            if fn is None:
+                continue
+            self._saved[name] = fn
+
+            def wrapper(*args, _name=name, _fn=fn, **kwargs):
+                numel = sum(a.numel() for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor))
+                self.calls.append((_name, numel))
+                return _fn(*args, **kwargs)
+
+            setattr(dist, name, wrapper)
+        return self.calls
+
+    def __exit__(self, *exc):
+        for name, fn in self._saved.items():
+            setattr(dist, name, fn)
+        return False

@@ -1,0 +1,25 @@
+"""Markers by folder: ``unit`` (one process, seconds), ``distributed`` (gloo worker
+processes), ``e2e`` (pretrain_gpt.py, tools and benchmarks as a user runs them).
+``pytest -m unit`` runs the fast part alone."""
+
+import pathlib
+
+import pytest
+
+_MARKERS = {
+    "unit": "one process, no process group",
+    "distributed": "spawns gloo worker processes",
+    "e2e": "runs pretrain_gpt.py, tools/ or benchmarks/ as subprocesses",
+}
+
+
+def pytest_configure(config):
+    for name, text in _MARKERS.items():
+        config.addinivalue_line("markers", f"{name}: {text}")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        folder = pathlib.Path(str(item.fspath)).parent.name
+        if folder in _MARKERS:
+            item.add_marker(getattr(pytest.mark, folder))

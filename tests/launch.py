@@ -1,0 +1,104 @@
+"""Launching pretrain_gpt.py as a user does (torchrun, gloo ranks) and reading its log."""
+
+import os
+import re
+import subprocess
+import sys
+
+from megatron_mfsdp.testing import free_port
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ITERATION_LINE = re.compile(
+    r"iteration\s+(\d+)/\s*(\d+) \| consumed samples:\s+(\d+) \| elapsed time per iteration \(ms\): ([\d.]+) \|"
+    r" learning rate: ([\d.E+-]+) \| global batch size:\s+(\d+) \| lm loss: ([\d.E+-]+) \| loss scale: ([\d.]+) \|"
+    r" grad norm: ([\d.]+) \| number of skipped iterations:\s+(\d+) \| number of nan iterations:\s+(\d+) \|"
+    r" optimizer step time \(ms\): ([\d.]+) \| tokens per second: ([\d.]+) \|"
+)
+VALIDATION_LINE = re.compile(r"validation loss at iteration (\d+) \| lm loss value: ([\d.E+-]+) \|")
+
+TINY = [
+    "--mock-data",
+    "--vocab-size",
+    "200",
+    "--num-layers",
+    "2",
+    "--hidden-size",
+    "64",
+    "--num-attention-heads",
+    "4",
+    "--group-query-attention",
+    "--num-query-groups",
+    "2",
+    "--seq-length",
+    "32",
+    "--micro-batch-size",
+    "2",
+    "--global-batch-size",
+    "8",
+    "--train-iters",
+    "5",
+    "--lr-warmup-iters",
+    "1",
+    "--log-interval",
+    "1",
+    "--eval-interval",
+    "5",
+    "--eval-iters",
+    "2",
+    "--clip-grad",
+    "0",
+    "--seed",
+    "7",
+]
+
+
+def run_pretrain(nproc: int, *flags: str, tmp_path, check: bool = True) -> subprocess.CompletedProcess:
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        str(nproc),
+        "--master-port",
+        str(free_port()),
+        os.path.join(ROOT, "pretrain_gpt.py"),
+        *flags,
+        "--output-dir",
+        str(tmp_path / "out"),
+    ]
+    env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"pretrain_gpt.py failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+    return proc
+
+
+def losses(stdout: str):
+    return [float(m.group(7)) for m in ITERATION_LINE.finditer(stdout)]
+
+
+def _pretrain_worker(rank, world_size, argv):
+    import contextlib
+    import io
+
+    from megatron_mfsdp.training.arguments import parse_args
+    from megatron_mfsdp.training.loop import pretrain
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        history = pretrain(parse_args(list(argv), world_size=world_size))
+    return {"history": history, "stdout": out.getvalue()}
+
+
+def pretrain_in_workers(nproc: int, *flags: str, tmp_path) -> dict:
+    """pretrain_gpt.py's code path (parse_args, pretrain) on the session's pooled gloo
+    workers, without torchrun's start-up cost: rank 0's loss history and stdout."""
+    from megatron_mfsdp.testing import run_workers
+
+    argv = [*flags, "--output-dir", str(tmp_path / "out")]
+    return run_workers(nproc, _pretrain_worker, argv)[0]
+
+
+def train_losses(result: dict) -> list:
+    """Per-iteration training losses at full precision, from a pretrain_in_workers result."""
+    return [loss for _, loss in result["history"]["train"]]
