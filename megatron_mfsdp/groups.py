@@ -103,6 +103,25 @@ class ProcessGroups:
         return cls(dp=dp, dp_shard=dp, grad_stats=dp)
 
 
+_LAYOUT: dict = {}
+
+
+def initialize_model_parallel(tp: int = 1, pp: int = 1, vp: int | None = None, **kwargs) -> None:
+    """megatron's ``initialize_model_parallel``, once per layout: a process that already holds
+    the same layout keeps its groups (megatron refuses a second call, and every new gloo group
+    adds polling threads); a different layout replaces them."""
+    from megatron.core import parallel_state as ps
+
+    layout = dict(tp=tp, pp=pp, vp=vp, **kwargs)
+    if ps.model_parallel_is_initialized():
+        if layout == _LAYOUT:
+            return
+        ps.destroy_model_parallel()
+    ps.initialize_model_parallel(tp, pp, virtual_pipeline_model_parallel_size=vp, **kwargs)
+    _LAYOUT.clear()
+    _LAYOUT.update(layout)
+
+
 def split_data_parallel_ranks(dp_ranks: list[int], replicate_size: int) -> tuple[list[list[int]], list[list[int]]]:
     """(shard groups, replica groups) of one data-parallel group's global ranks."""
     world = len(dp_ranks)

@@ -23,3 +23,12 @@ def pytest_collection_modifyitems(config, items):
         folder = pathlib.Path(str(item.fspath)).parent.name
         if folder in _MARKERS:
             item.add_marker(getattr(pytest.mark, folder))
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _close_worker_pools():
+    """Pooled gloo workers live for one test module: idle gloo groups still poll."""
+    yield
+    from megatron_mfsdp.testing.workers import close_pools
+
+    close_pools()

@@ -12,6 +12,7 @@ new processes instead, as the benchmarks do.
 from __future__ import annotations
 
 import atexit
+import gc
 import os
 import queue
 import socket
@@ -76,18 +77,23 @@ def _run_task(rank: int, world_size: int, fn, args, out_dir: str) -> None:
         with open(os.path.join(out_dir, f"error{rank}.txt"), "w") as f:
             f.write(traceback.format_exc())
     finally:
-        _reset_process_state()
-        with open(os.path.join(out_dir, f"done{rank}"), "w"):
-            pass
+        for marker in ([f"retire{rank}"] if _reset_process_state() else []) + [f"done{rank}"]:
+            with open(os.path.join(out_dir, marker), "w"):
+                pass
 
 
-def _reset_process_state() -> None:
-    """Undo what a task may have set up, so the next task starts as in a fresh process."""
-    from megatron.core import parallel_state
+MAX_THREADS = 150  # a pooled process retires past this many threads (see _reset_process_state)
 
-    if parallel_state.model_parallel_is_initialized():
-        parallel_state.destroy_model_parallel()
+
+def _reset_process_state() -> bool:
+    """Undo what a task may have set up; return whether this process should retire.
+
+    megatron's groups are kept for the next task of the same layout (groups.py). Groups that
+    are replaced leave their gloo threads behind (each wakes every 10 ms to poll), so a
+    process that has gathered too many retires and the pool starts afresh."""
+    gc.collect()
     torch.use_deterministic_algorithms(False)
+    return len(os.listdir("/proc/self/task")) > MAX_THREADS if os.path.isdir("/proc/self/task") else False
 
 
 def _fresh_entry(rank, world_size, port, threads, fn, args, out_dir):
@@ -109,6 +115,8 @@ def _pool_entry(rank, world_size, port, threads, tasks):
         if task is None:
             break
         _run_task(rank, world_size, *task)
+        if os.path.exists(os.path.join(task[2], f"retire{rank}")):
+            break
     dist.destroy_process_group()
 
 
@@ -157,6 +165,9 @@ class WorkerPool:
             except RuntimeError:
                 self.close(kill=True)  # a failed rank may have left the others' collectives in any state
                 raise
+            finally:
+                if any(f.startswith("retire") for f in os.listdir(out_dir)):
+                    self.close(kill=True)
 
     def close(self, kill: bool = False) -> None:
         for p, q in zip(self.procs, self.tasks):

@@ -37,12 +37,10 @@ def initialize_distributed(args) -> bool:
 
 
 def _initialize_megatron(args) -> None:
-    from megatron.core import parallel_state
+    from ..groups import initialize_model_parallel
 
-    parallel_state.initialize_model_parallel(
-        args.tensor_model_parallel_size,
-        args.pipeline_model_parallel_size,
-        virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
+    initialize_model_parallel(
+        args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.virtual_pipeline_model_parallel_size
     )
     if args.deterministic_mode:
         torch.use_deterministic_algorithms(True)
@@ -292,9 +290,6 @@ def pretrain(args) -> dict[str, list]:
     if writer is not None:
         writer.close()
     dist.barrier()
-    from megatron.core import parallel_state
-
-    parallel_state.destroy_model_parallel()
     if run.owns_process_group:
         dist.destroy_process_group()
     return history
