@@ -172,7 +172,7 @@ class WorkerPool:
     def close(self, kill: bool = False) -> None:
         for p, q in zip(self.procs, self.tasks):
             if kill:
-                p.kill()
+                _kill_tree(p.pid)
             elif p.is_alive():
                 try:
                     q.put(None)
@@ -182,6 +182,21 @@ class WorkerPool:
             p.join(10)
             if p.is_alive():
                 p.kill()
+
+
+def _kill_tree(pid: int) -> None:
+    """Kill a worker and what it started (dist_checkpointing starts a multiprocessing Manager)."""
+    import psutil
+
+    try:
+        procs = psutil.Process(pid).children(recursive=True) + [psutil.Process(pid)]
+    except psutil.NoSuchProcess:
+        return
+    for proc in procs:
+        try:
+            proc.kill()
+        except psutil.NoSuchProcess:
+            pass
 
 
 _POOLS: dict[tuple[int, int], WorkerPool] = {}

@@ -130,8 +130,10 @@ def build_gpt_model(
     post_process: bool = True,
     use_transformer_engine: bool | None = None,
     vp_stage: int | None = None,
+    **gpt_kwargs,
 ) -> GPTModel:
     """A megatron-core GPTModel for the given config (parallel_state must be initialized).
+    ``gpt_kwargs`` go to GPTModel as they are (rotary_base, rotary_percent, rope_scaling, ...).
     Built under compat/cpu.py: with PP > 1 megatron-core moves the tied output weight to CUDA."""
     from ...compat.cpu import cuda_on_cpu
 
@@ -146,6 +148,7 @@ def build_gpt_model(
             share_embeddings_and_output_weights=share_embeddings_and_output_weights,
             position_embedding_type=position_embedding_type,
             vp_stage=vp_stage,
+            **gpt_kwargs,
         )
     # Megatron-LM's Float16Module casts the whole model (norms included) to the
     # training dtype; MatrixFSDP keeps one dtype per chunk, so do the same here.
