@@ -1,0 +1,46 @@
+"""Low-precision weights: the owner of a whole matrix quantizes it to FP8 after the optimizer
+step, the gather moves the bytes, and every rank dequantizes them identically (fp8.py)."""
+
+from .fp8 import (
+    AMAX_COMPUTE_ALGOS,
+    BLOCK,
+    E4M3_MAX,
+    FP8_FORMATS,
+    FP8_RECIPES,
+    Fp8Config,
+    Fp8Weight,
+    check_shape,
+    dequantize,
+    from_uint8_bytes,
+    new_delayed_state,
+    packed_nbytes,
+    quantization_error,
+    quantize,
+    record_amax,
+    scale_from_amax,
+    scale_inv_shape,
+    to_uint8_bytes,
+    weight_amax,
+)
+
+__all__ = [
+    "AMAX_COMPUTE_ALGOS",
+    "BLOCK",
+    "E4M3_MAX",
+    "FP8_FORMATS",
+    "FP8_RECIPES",
+    "Fp8Config",
+    "Fp8Weight",
+    "check_shape",
+    "dequantize",
+    "from_uint8_bytes",
+    "new_delayed_state",
+    "packed_nbytes",
+    "quantization_error",
+    "quantize",
+    "record_amax",
+    "scale_from_amax",
+    "scale_inv_shape",
+    "to_uint8_bytes",
+    "weight_amax",
+]
