@@ -5,9 +5,12 @@ power-of-2 scales, delayed history, the uint8 wire format, and measured errors."
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import io
 import math
+import pathlib
+import runpy
 
 import pytest
 import torch
@@ -30,6 +33,7 @@ from megatron_mfsdp.precision import (
     weight_amax,
 )
 
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 RECIPES = ("tensorwise", "blockwise", "delayed")
 FLT_MAX = torch.finfo(torch.float32).max
 
@@ -396,3 +400,16 @@ def test_config_reads_megatron_args_and_defaults():
     assert config.fp8_max == E4M3_MAX
     q = quantize(torch.randn(128, 128), config)
     assert isinstance(q, Fp8Weight) and q.recipe == "blockwise"
+
+
+def test_gpu_check_script_skips_cleanly_here():
+    """benchmarks/gpu_fp8_te_check.py: one 'skipped:' line and status 0 without CUDA or TE."""
+    script = runpy.run_path(str(ROOT / "benchmarks" / "gpu_fp8_te_check.py"))
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        status = script["main"]([])
+    lines = out.getvalue().splitlines()
+    if lines and lines[0].startswith("skipped:"):
+        assert status == 0 and len(lines) == 1 and ("no CUDA" in lines[0] or "no transformer_engine" in lines[0])
+    else:
+        assert status == 0, out.getvalue()
