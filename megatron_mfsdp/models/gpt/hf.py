@@ -1,0 +1,607 @@
+"""Hugging Face checkpoints <-> megatron-core GPTModel: LlamaForCausalLM and GPT2LMHeadModel.
+
+Our side is a state dict with the global (1 x 1 x 1, TP=1) parameter names of megatron-core's
+GPTModel built from the local layer spec (build.py), e.g.
+``decoder.layers.3.self_attention.linear_qkv.weight``, and ``model_args``: the model's settings
+keyed by Megatron-LM argument dests (what ``args.<dest>`` holds in
+megatron/training/arguments.py at core_v0.16.1), so a converted checkpoint means what the same
+flags mean there. A setting one side cannot express is refused by name, never approximated.
+
+Tensors that need no change are passed through: the result may share memory with the input.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from typing import NoReturn
+
+import torch
+
+# Megatron-LM's defaults (megatron/training/arguments.py at core_v0.16.1) for the dests read
+# here; a model_args dict without one of them means the default, as on the command line.
+MEGATRON_DEFAULTS = {
+    "group_query_attention": False,
+    "num_query_groups": 1,
+    "kv_channels": None,
+    "position_embedding_type": "learned_absolute",
+    "rotary_base": 10000,
+    "rotary_percent": 1.0,
+    "rotary_interleaved": False,
+    "rotary_seq_len_interpolation_factor": None,
+    "use_rope_scaling": False,
+    "rope_scaling_factor": 8.0,
+    "normalization": "LayerNorm",
+    "layernorm_epsilon": 1e-5,
+    "layernorm_zero_centered_gamma": False,  # the dest of --apply-layernorm-1p
+    "apply_residual_connection_post_layernorm": False,
+    "qk_layernorm": False,
+    "swiglu": False,
+    "openai_gelu": False,
+    "squared_relu": False,
+    "quick_geglu": False,
+    "add_bias_linear": True,  # --disable-bias-linear stores False
+    "add_qkv_bias": False,
+    "untie_embeddings_and_output_weights": False,
+    "make_vocab_size_divisible_by": 128,
+    "init_method_std": 0.02,
+    "hidden_dropout": 0.1,
+    "attention_dropout": 0.1,
+    "num_experts": None,
+    "multi_latent_attention": False,
+    "vocab_size": None,
+    "padded_vocab_size": None,
+}
+REQUIRED_ARGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "max_position_embeddings")
+
+# HF activations that are the tanh approximation of GELU, megatron's openai_gelu
+# (megatron/core/transformer/utils.py: gelu_impl); plain "gelu" is the erf form, F.gelu.
+GELU_TANH = ("gelu_new", "gelu_pytorch_tanh")
+# The fixed llama3 frequency bands of megatron-core's RotaryEmbedding._apply_scaling
+# (megatron/core/models/common/embeddings/rotary_pos_embedding.py at core_v0.16.1).
+LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+# Input tensors that are not parameters and carry nothing to convert.
+IGNORED = {
+    "llama": (r"model\.(layers\.\d+\.self_attn\.)?rotary_emb\.(original_)?inv_freq",),
+    "gpt2": (r"(transformer\.)?h\.\d+\.attn\.(bias|masked_bias)",),
+    "megatron": (r".*\._extra_state",),
+}
+
+
+class ConversionError(ValueError):
+    """A checkpoint or setting that cannot be converted faithfully; the message names it."""
+
+
+def _refuse(setting: str, value, why: str) -> NoReturn:
+    raise ConversionError(f"{setting}={value!r} cannot be converted: {why}")
+
+
+# ----------------------------------------------------------------------------------------
+# Tensor layouts
+# ----------------------------------------------------------------------------------------
+
+
+def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_query_groups: int) -> torch.Tensor:
+    """megatron's linear_qkv (weight or bias) from separate Q, K, V: per query group, that
+    group's Q heads, then its K, then its V (the view in SelfAttention.get_query_key_value_tensors,
+    megatron/core/transformer/attention.py at core_v0.16.1)."""
+    tail = q.shape[1:]
+    head_dim = k.shape[0] // num_query_groups
+    blocks = [t.reshape(num_query_groups, -1, head_dim, *tail) for t in (q, k, v)]
+    return torch.cat(blocks, dim=1).reshape(-1, *tail)
+
+
+def split_qkv(qkv: torch.Tensor, num_attention_heads: int, num_query_groups: int, head_dim: int):
+    """(Q, K, V) rows of megatron's grouped linear_qkv, the inverse of ``fuse_qkv``."""
+    tail = qkv.shape[1:]
+    per_group = num_attention_heads // num_query_groups
+    blocks = qkv.reshape(num_query_groups, per_group + 2, head_dim, *tail)
+    q = blocks[:, :per_group].reshape(-1, *tail)
+    k = blocks[:, per_group].reshape(-1, *tail)
+    v = blocks[:, per_group + 1].reshape(-1, *tail)
+    return q.clone(), k.clone(), v.clone()
+
+
+def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """The embedding padded to megatron's padded vocabulary with zero rows."""
+    return torch.cat([t, t.new_zeros(rows - t.shape[0], *t.shape[1:])]) if rows > t.shape[0] else t
+
+
+class _Tensors:
+    """An input state dict consumed key by key: a missing key, or one nobody took, is an error
+    (a checkpoint is never converted in part)."""
+
+    def __init__(self, state_dict: dict, what: str, ignored: tuple[str, ...]):
+        self.what = what
+        self.left = {
+            k: v
+            for k, v in state_dict.items()
+            if isinstance(v, torch.Tensor) and not any(re.fullmatch(p, k) for p in ignored)
+        }
+
+    def pop(self, key: str) -> torch.Tensor:
+        if key not in self.left:
+            raise ConversionError(f"{self.what}: tensor {key!r} is missing")
+        return self.left.pop(key)
+
+    def finish(self) -> None:
+        if self.left:
+            raise ConversionError(f"{self.what}: tensors with no counterpart: {sorted(self.left)}")
+
+
+def _copy(src: _Tensors, dst: dict, table, to_megatron: bool) -> None:
+    """Copy (ours, theirs, transposed) name pairs; transposed ones are GPT-2's Conv1D [in, out]."""
+    for ours, theirs, transposed in table:
+        tensor = src.pop(theirs if to_megatron else ours)
+        dst[ours if to_megatron else theirs] = tensor.t().contiguous() if transposed else tensor
+
+
+def _output_layer(src: _Tensors, dst: dict, args: dict, embedding: torch.Tensor, to_megatron: bool) -> None:
+    """lm_head <-> output_layer when untied; a tied lm_head given anyway must equal the embedding."""
+    ours, theirs = "output_layer.weight", "lm_head.weight"
+    if args["untie_embeddings_and_output_weights"]:
+        tensor = src.pop(theirs if to_megatron else ours)
+        rows = args["padded_vocab_size"] if to_megatron else args["vocab_size"]
+        dst[ours if to_megatron else theirs] = _pad_rows(tensor, rows) if to_megatron else tensor[:rows].clone()
+        return
+    given = src.left.pop(theirs if to_megatron else ours, None)
+    if given is not None and not torch.equal(given[: embedding.shape[0]], embedding):
+        raise ConversionError(f"{theirs if to_megatron else ours} differs from the embedding of a tied model")
+
+
+# ----------------------------------------------------------------------------------------
+# Settings: HF config -> model_args
+# ----------------------------------------------------------------------------------------
+
+
+def _as_config(hf_config):
+    """A transformers config from a config object or a config.json dict."""
+    if isinstance(hf_config, dict):
+        from transformers import AutoConfig
+
+        fields = dict(hf_config)
+        return AutoConfig.for_model(fields.pop("model_type", None), **fields)
+    return hf_config
+
+
+def _rope_settings(cfg) -> dict:
+    """rotary dests of a Llama config, from transformers 5's rope_parameters or 4's
+    rope_theta/rope_scaling; only the default and megatron's llama3 frequency bands convert."""
+    params = dict(getattr(cfg, "rope_scaling", None) or {})
+    params.update(getattr(cfg, "rope_parameters", None) or {})
+    theta = params.get("rope_theta", getattr(cfg, "rope_theta", None))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    partial = params.get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", None))
+    if partial not in (None, 1.0):
+        _refuse("partial_rotary_factor", partial, "LlamaForCausalLM rotates the whole head")
+    if theta is None:
+        _refuse("rope_theta", theta, "the rotary base is not set")
+    settings = {"rotary_base": int(theta) if float(theta).is_integer() else float(theta), "rotary_percent": 1.0}
+    settings.update(rotary_interleaved=False, use_rope_scaling=False, rope_scaling_factor=8.0)
+    if rope_type == "llama3":
+        for key, value in LLAMA3_ROPE.items():
+            if float(params.get(key, -1)) != value:
+                _refuse(f"rope_scaling.{key}", params.get(key), f"megatron's llama3 scaling fixes it to {value}")
+        settings.update(use_rope_scaling=True, rope_scaling_factor=float(params["factor"]))
+    elif rope_type != "default":
+        _refuse("rope_scaling.rope_type", rope_type, "megatron-core's GPTModel has only default and llama3 RoPE")
+    return settings
+
+
+def _vocab_args(vocab_size: int, divisible_by: int) -> dict:
+    from ...data.datasets import padded_vocab_size
+
+    # Padded by the divisor alone, as training/loop.py does: the same vocabulary at every TP.
+    padded = padded_vocab_size(vocab_size, divisible_by, 1)
+    return {"vocab_size": vocab_size, "padded_vocab_size": padded, "make_vocab_size_divisible_by": divisible_by}
+
+
+def _common_args(cfg, layers: int, hidden: int, heads: int, groups: int, max_positions: int) -> dict:
+    return {
+        "num_layers": layers,
+        "hidden_size": hidden,
+        "num_attention_heads": heads,
+        "group_query_attention": groups != heads,
+        "num_query_groups": groups,
+        "max_position_embeddings": max_positions,
+        "seq_length": max_positions,
+        "init_method_std": cfg.initializer_range,
+        "layernorm_zero_centered_gamma": False,
+        "apply_residual_connection_post_layernorm": False,
+        "qk_layernorm": False,
+        "squared_relu": False,
+        "add_qkv_bias": False,  # the QKV bias follows add_bias_linear in both architectures
+    }
+
+
+def _llama_args(cfg, divisible_by: int) -> dict:
+    if cfg.hidden_act != "silu":
+        _refuse("hidden_act", cfg.hidden_act, "megatron's --swiglu gates with SiLU")
+    if bool(cfg.attention_bias) != bool(getattr(cfg, "mlp_bias", False)):
+        _refuse("attention_bias", cfg.attention_bias, "megatron's --disable-bias-linear sets mlp_bias with it")
+    heads = cfg.num_attention_heads
+    groups = cfg.num_key_value_heads or heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    args = _common_args(cfg, cfg.num_hidden_layers, cfg.hidden_size, heads, groups, cfg.max_position_embeddings)
+    args.update(**_rope_settings(cfg), **_vocab_args(cfg.vocab_size, divisible_by))
+    args.update(
+        ffn_hidden_size=cfg.intermediate_size,
+        kv_channels=head_dim,
+        position_embedding_type="rope",
+        normalization="RMSNorm",
+        layernorm_epsilon=float(cfg.rms_norm_eps),
+        swiglu=True,
+        openai_gelu=False,
+        add_bias_linear=bool(cfg.attention_bias),
+        untie_embeddings_and_output_weights=not cfg.tie_word_embeddings,
+        hidden_dropout=0.0,
+        attention_dropout=float(cfg.attention_dropout),
+    )
+    return args
+
+
+def _gpt2_args(cfg, divisible_by: int) -> dict:
+    act = cfg.activation_function
+    if act not in GELU_TANH + ("gelu",):
+        _refuse("activation_function", act, f"only {GELU_TANH} (megatron's --openai-gelu) and gelu map")
+    if not cfg.tie_word_embeddings:
+        _refuse("tie_word_embeddings", False, "GPT-2 is converted only with lm_head tied to wte")
+    if not cfg.scale_attn_weights:
+        _refuse("scale_attn_weights", False, "megatron scales scores by 1/sqrt(head_dim)")
+    if cfg.scale_attn_by_inverse_layer_idx:
+        _refuse("scale_attn_by_inverse_layer_idx", True, "megatron scales scores by 1/sqrt(head_dim) only")
+    if getattr(cfg, "add_cross_attention", False):
+        _refuse("add_cross_attention", True, "GPTModel is decoder only")
+    # reorder_and_upcast_attn only moves the fp32 upcast: accepted, not carried.
+    hidden, heads = cfg.n_embd, cfg.n_head
+    args = _common_args(cfg, cfg.n_layer, hidden, heads, heads, cfg.n_positions)
+    args.update(_vocab_args(cfg.vocab_size, divisible_by))
+    args.update(
+        ffn_hidden_size=cfg.n_inner or 4 * hidden,
+        kv_channels=hidden // heads,
+        position_embedding_type="learned_absolute",
+        normalization="LayerNorm",
+        layernorm_epsilon=float(cfg.layer_norm_epsilon),
+        swiglu=False,
+        openai_gelu=act in GELU_TANH,
+        add_bias_linear=True,
+        untie_embeddings_and_output_weights=False,
+        hidden_dropout=float(cfg.resid_pdrop),
+        attention_dropout=float(cfg.attn_pdrop),
+    )
+    return args
+
+
+# ----------------------------------------------------------------------------------------
+# Settings: model_args -> HF config, TransformerConfig
+# ----------------------------------------------------------------------------------------
+
+
+def _resolved(model_args: dict) -> dict:
+    """model_args with Megatron-LM's defaults filled in and derived values resolved."""
+    args = {**MEGATRON_DEFAULTS, **model_args}
+    missing = [k for k in REQUIRED_ARGS if args.get(k) is None]
+    if missing:
+        raise ConversionError(f"model_args lacks {missing}")
+    if not args["group_query_attention"]:
+        args["num_query_groups"] = args["num_attention_heads"]
+    args["kv_channels"] = args["kv_channels"] or args["hidden_size"] // args["num_attention_heads"]
+    if args["padded_vocab_size"] is None and args["vocab_size"] is not None:
+        args.update(_vocab_args(args["vocab_size"], args["make_vocab_size_divisible_by"]))
+    return args
+
+
+def _refuse_unsupported(args: dict) -> None:
+    """Megatron settings with no counterpart in either Hugging Face architecture here."""
+    for dest in (
+        "qk_layernorm",
+        "rotary_interleaved",
+        "layernorm_zero_centered_gamma",
+        "apply_residual_connection_post_layernorm",
+        "squared_relu",
+        "quick_geglu",
+        "multi_latent_attention",
+        "num_experts",
+        "rotary_seq_len_interpolation_factor",
+    ):
+        if args[dest]:
+            _refuse(dest, args[dest], "neither LlamaForCausalLM nor GPT2LMHeadModel has it")
+    if args["rotary_percent"] != 1.0:
+        _refuse("rotary_percent", args["rotary_percent"], "LlamaForCausalLM rotates the whole head")
+
+
+def _expect(args: dict, arch: str, **wanted) -> None:
+    for dest, value in wanted.items():
+        if args[dest] != value:
+            _refuse(dest, args[dest], f"{arch} needs {dest}={value!r}")
+
+
+def _llama_config(args: dict):
+    from transformers import LlamaConfig
+
+    _expect(args, "LlamaForCausalLM (chosen by swiglu=True)", normalization="RMSNorm", position_embedding_type="rope")
+    if args["add_qkv_bias"] and not args["add_bias_linear"]:
+        _refuse("add_qkv_bias", True, "LlamaForCausalLM's attention_bias also adds an o_proj bias")
+    scaling = None
+    if args["use_rope_scaling"]:
+        scaling = {"rope_type": "llama3", "factor": float(args["rope_scaling_factor"]), **LLAMA3_ROPE}
+    bias = bool(args["add_bias_linear"])
+    return LlamaConfig(
+        architectures=["LlamaForCausalLM"],
+        vocab_size=args["vocab_size"],
+        hidden_size=args["hidden_size"],
+        intermediate_size=args["ffn_hidden_size"],
+        num_hidden_layers=args["num_layers"],
+        num_attention_heads=args["num_attention_heads"],
+        num_key_value_heads=args["num_query_groups"],
+        head_dim=args["kv_channels"],
+        hidden_act="silu",
+        max_position_embeddings=args["max_position_embeddings"],
+        initializer_range=args["init_method_std"],
+        rms_norm_eps=args["layernorm_epsilon"],
+        tie_word_embeddings=not args["untie_embeddings_and_output_weights"],
+        rope_theta=float(args["rotary_base"]),
+        rope_scaling=scaling,
+        attention_bias=bias,
+        mlp_bias=bias,
+        attention_dropout=args["attention_dropout"],
+    )
+
+
+def _gpt2_config(args: dict):
+    from transformers import GPT2Config
+
+    heads, hidden = args["num_attention_heads"], args["hidden_size"]
+    _expect(
+        args,
+        "GPT2LMHeadModel (chosen by swiglu=False)",
+        normalization="LayerNorm",
+        position_embedding_type="learned_absolute",
+        add_bias_linear=True,
+        untie_embeddings_and_output_weights=False,
+        num_query_groups=heads,
+        kv_channels=hidden // heads,
+    )
+    return GPT2Config(
+        architectures=["GPT2LMHeadModel"],
+        vocab_size=args["vocab_size"],
+        n_positions=args["max_position_embeddings"],
+        n_embd=hidden,
+        n_layer=args["num_layers"],
+        n_head=heads,
+        n_inner=None if args["ffn_hidden_size"] == 4 * hidden else args["ffn_hidden_size"],
+        activation_function="gelu_new" if args["openai_gelu"] else "gelu",
+        resid_pdrop=args["hidden_dropout"],
+        embd_pdrop=args["hidden_dropout"],
+        attn_pdrop=args["attention_dropout"],
+        layer_norm_epsilon=args["layernorm_epsilon"],
+        initializer_range=args["init_method_std"],
+        tie_word_embeddings=True,
+    )
+
+
+def transformer_config_kwargs(model_args: dict) -> tuple[dict, dict]:
+    """(megatron-core TransformerConfig kwargs, build_gpt_model kwargs) of a model_args dict:
+    the model's own settings only; add the run's (use_cpu_initialization, dtypes, parallel
+    sizes, fusions) before building. Settings the converter refuses are refused here too."""
+    import torch.nn.functional as F
+    from megatron.core.transformer.utils import openai_gelu
+
+    args = _resolved(model_args)
+    _refuse_unsupported(args)
+    if args["padded_vocab_size"] is None:
+        raise ConversionError("model_args needs vocab_size or padded_vocab_size")
+    activation = F.silu if args["swiglu"] else openai_gelu if args["openai_gelu"] else F.gelu
+    config = {k: args[k] for k in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads")}
+    config.update({k: args[k] for k in ("num_query_groups", "kv_channels", "normalization", "layernorm_epsilon")})
+    config.update({k: args[k] for k in ("add_bias_linear", "add_qkv_bias", "hidden_dropout", "attention_dropout")})
+    config.update(gated_linear_unit=args["swiglu"], activation_func=activation, init_method_std=args["init_method_std"])
+    model = {
+        "vocab_size": args["padded_vocab_size"],
+        "max_sequence_length": args["max_position_embeddings"],
+        "position_embedding_type": args["position_embedding_type"],
+        "share_embeddings_and_output_weights": not args["untie_embeddings_and_output_weights"],
+        "rotary_base": args["rotary_base"],
+        "rotary_percent": args["rotary_percent"],
+        "rope_scaling": args["use_rope_scaling"],
+        "rope_scaling_factor": args["rope_scaling_factor"],
+    }
+    return config, model
+
+
+# ----------------------------------------------------------------------------------------
+# Weights
+# ----------------------------------------------------------------------------------------
+
+
+def _llama_table(args: dict, i: int):
+    ours, theirs = f"decoder.layers.{i}.", f"model.layers.{i}."
+    table = [
+        (ours + "input_layernorm.weight", theirs + "input_layernorm.weight", False),
+        (ours + "pre_mlp_layernorm.weight", theirs + "post_attention_layernorm.weight", False),
+    ]
+    for leaf in ("weight", "bias") if args["add_bias_linear"] else ("weight",):
+        table.append((f"{ours}self_attention.linear_proj.{leaf}", f"{theirs}self_attn.o_proj.{leaf}", False))
+        table.append((f"{ours}mlp.linear_fc2.{leaf}", f"{theirs}mlp.down_proj.{leaf}", False))
+    return table
+
+
+_GPT2_NORMS = (("input_layernorm", "ln_1"), ("pre_mlp_layernorm", "ln_2"))
+_GPT2_LINEARS = (
+    ("self_attention.linear_proj", "attn.c_proj"),
+    ("mlp.linear_fc1", "mlp.c_fc"),
+    ("mlp.linear_fc2", "mlp.c_proj"),
+)
+
+
+def _gpt2_table(i: int):
+    ours, theirs = f"decoder.layers.{i}.", f"transformer.h.{i}."
+    table = [(f"{ours}{o}.{leaf}", f"{theirs}{t}.{leaf}", False) for o, t in _GPT2_NORMS for leaf in ("weight", "bias")]
+    for o, t in _GPT2_LINEARS:
+        table += [(f"{ours}{o}.weight", f"{theirs}{t}.weight", True), (f"{ours}{o}.bias", f"{theirs}{t}.bias", False)]
+    return table
+
+
+_GPT2_GLOBAL = [
+    ("embedding.position_embeddings.weight", "transformer.wpe.weight", False),
+    ("decoder.final_layernorm.weight", "transformer.ln_f.weight", False),
+    ("decoder.final_layernorm.bias", "transformer.ln_f.bias", False),
+]
+
+
+def _llama_layers(src: _Tensors, dst: dict, args: dict, to_megatron: bool) -> None:
+    """Per layer: Q, K, V <-> grouped linear_qkv, gate, up <-> linear_fc1, the rest renamed."""
+    heads, groups, head_dim = args["num_attention_heads"], args["num_query_groups"], args["kv_channels"]
+    for i in range(args["num_layers"]):
+        _copy(src, dst, _llama_table(args, i), to_megatron)
+        ours, theirs = f"decoder.layers.{i}.", f"model.layers.{i}."
+        for leaf in ("weight", "bias") if args["add_bias_linear"] else ("weight",):
+            qkv, fc1 = f"{ours}self_attention.linear_qkv.{leaf}", f"{ours}mlp.linear_fc1.{leaf}"
+            names = [f"{theirs}self_attn.{p}_proj.{leaf}" for p in "qkv"]
+            gate_up = [f"{theirs}mlp.{p}_proj.{leaf}" for p in ("gate", "up")]
+            if to_megatron:
+                dst[qkv] = fuse_qkv(*(src.pop(n) for n in names), groups)
+                dst[fc1] = torch.cat([src.pop(n) for n in gate_up])
+            else:
+                dst.update(zip(names, split_qkv(src.pop(qkv), heads, groups, head_dim)))
+                dst.update(zip(gate_up, (t.clone() for t in src.pop(fc1).chunk(2))))
+
+
+def _gpt2_layers(src: _Tensors, dst: dict, args: dict, to_megatron: bool) -> None:
+    """Per layer: c_attn ([in, out], columns Q | K | V) <-> linear_qkv grouped per head, the
+    rest renamed, the Conv1D weights transposed."""
+    heads, head_dim = args["num_attention_heads"], args["kv_channels"]
+    for i in range(args["num_layers"]):
+        _copy(src, dst, _gpt2_table(i), to_megatron)
+        ours, theirs = f"decoder.layers.{i}.self_attention.linear_qkv.", f"transformer.h.{i}.attn.c_attn."
+        for leaf in ("weight", "bias"):
+            if to_megatron:
+                rows = src.pop(theirs + leaf).t()
+                dst[ours + leaf] = fuse_qkv(*rows.chunk(3), heads)
+            else:
+                joined = torch.cat(split_qkv(src.pop(ours + leaf), heads, heads, head_dim))
+                dst[theirs + leaf] = joined.t().contiguous()
+
+
+def _convert(src: _Tensors, args: dict, arch: str, to_megatron: bool) -> dict:
+    """The whole state dict of one architecture, either way."""
+    dst = {}
+    ours = "embedding.word_embeddings.weight"
+    theirs = "model.embed_tokens.weight" if arch == "llama" else "transformer.wte.weight"
+    embedding = src.pop(theirs if to_megatron else ours)
+    if to_megatron:
+        if embedding.shape[0] != args["vocab_size"]:
+            _refuse("vocab_size", args["vocab_size"], f"{theirs} has {embedding.shape[0]} rows")
+        dst[ours] = _pad_rows(embedding, args["padded_vocab_size"])
+    else:
+        dst[theirs] = embedding = embedding[: args["vocab_size"]].clone()
+    if arch == "llama":
+        _llama_layers(src, dst, args, to_megatron)
+        _copy(src, dst, [("decoder.final_layernorm.weight", "model.norm.weight", False)], to_megatron)
+    else:
+        _gpt2_layers(src, dst, args, to_megatron)
+        _copy(src, dst, _GPT2_GLOBAL, to_megatron)
+    _output_layer(src, dst, args, embedding, to_megatron)
+    src.finish()
+    return dst
+
+
+# ----------------------------------------------------------------------------------------
+# The converter's entry points
+# ----------------------------------------------------------------------------------------
+
+
+def hf_to_megatron(hf_state_dict: dict, hf_config, make_vocab_size_divisible_by: int = 128) -> tuple[dict, dict]:
+    """(megatron state dict, model_args) of a LlamaForCausalLM or GPT2LMHeadModel checkpoint;
+    the vocabulary is padded to a multiple of ``make_vocab_size_divisible_by`` with zero rows."""
+    cfg = _as_config(hf_config)
+    if cfg.model_type == "llama":
+        args = _llama_args(cfg, make_vocab_size_divisible_by)
+    elif cfg.model_type == "gpt2":
+        args = _gpt2_args(cfg, make_vocab_size_divisible_by)
+        # The original GPT-2 files name GPT2Model's tensors without the "transformer." prefix.
+        hf_state_dict = {
+            k if k.startswith(("transformer.", "lm_head.")) else "transformer." + k: v for k, v in hf_state_dict.items()
+        }
+    else:
+        _refuse("model_type", cfg.model_type, "only llama (LlamaForCausalLM) and gpt2 (GPT2LMHeadModel) convert")
+    src = _Tensors(hf_state_dict, f"Hugging Face {cfg.model_type} state dict", IGNORED[cfg.model_type])
+    return _convert(src, args, cfg.model_type, to_megatron=True), args
+
+
+def megatron_to_hf(state_dict: dict, model_args: dict, config_overrides: dict | None = None):
+    """(HF state dict as save_pretrained writes it, HF config) of a whole GPTModel: Llama when
+    model_args has swiglu, else GPT-2. ``config_overrides`` sets what megatron does not carry
+    (bos_token_id, eos_token_id, ...). Padded vocabulary rows are sliced off."""
+    args = _resolved(model_args)
+    _refuse_unsupported(args)
+    if args["vocab_size"] is None:
+        raise ConversionError("model_args['vocab_size'] (the tokenizer's, unpadded) is needed to slice off padding")
+    embedding = state_dict.get("embedding.word_embeddings.weight")
+    if embedding is None:
+        raise ConversionError("megatron GPTModel state dict: tensor 'embedding.word_embeddings.weight' is missing")
+    rows = embedding.shape[0]
+    if model_args.get("padded_vocab_size") not in (None, rows) or rows < args["vocab_size"]:
+        _refuse("padded_vocab_size", model_args.get("padded_vocab_size"), f"the embedding has {rows} rows")
+    args["padded_vocab_size"] = rows
+    arch = "llama" if args["swiglu"] else "gpt2"
+    config = _llama_config(args) if arch == "llama" else _gpt2_config(args)
+    config.dtype = embedding.dtype  # what save_pretrained records: the dtype of the weights
+    for key, value in (config_overrides or {}).items():
+        setattr(config, key, value)
+    src = _Tensors(state_dict, "megatron GPTModel state dict", IGNORED["megatron"])
+    return _convert(src, args, arch, to_megatron=False), config
+
+
+def load_into_model(model: torch.nn.Module, state_dict: dict) -> None:
+    """Load a converted state dict into a whole (1 x 1 x 1) GPTModel: every parameter must be
+    given and every tensor used (only megatron's empty ``_extra_state`` entries may be absent)."""
+    missing, unexpected = model.load_state_dict(state_dict, strict=False)
+    missing = [k for k in missing if not k.endswith("._extra_state")]
+    if missing or unexpected:
+        raise ConversionError(f"state dict does not fit the model: missing {missing}, unexpected {unexpected}")
+
+
+# ----------------------------------------------------------------------------------------
+# Files
+# ----------------------------------------------------------------------------------------
+
+WEIGHTS_FILE, INDEX_FILE, CONFIG_FILE = "model.safetensors", "model.safetensors.index.json", "config.json"
+
+
+def save_hf_checkpoint(folder: str, hf_state_dict: dict, hf_config) -> None:
+    """model.safetensors and config.json, as ``AutoModelForCausalLM.from_pretrained(folder)``
+    reads them (a tied lm_head is left out, as save_pretrained does)."""
+    from safetensors.torch import save_file
+
+    config = _as_config(hf_config)
+    tensors = {k: v.contiguous() for k, v in hf_state_dict.items()}
+    if getattr(config, "tie_word_embeddings", False):
+        tensors.pop("lm_head.weight", None)
+    os.makedirs(folder, exist_ok=True)
+    save_file(tensors, os.path.join(folder, WEIGHTS_FILE), metadata={"format": "pt"})
+    config.save_pretrained(folder)
+
+
+def load_hf_checkpoint(folder: str) -> tuple[dict, object]:
+    """(state dict, config) of a local safetensors checkpoint, one file or sharded by an index;
+    never looks anything up on the hub."""
+    from safetensors.torch import load_file
+    from transformers import AutoConfig
+
+    if not os.path.isfile(os.path.join(folder, CONFIG_FILE)):
+        raise FileNotFoundError(f"{folder}: no {CONFIG_FILE}")
+    config = AutoConfig.from_pretrained(folder, local_files_only=True)
+    if os.path.isfile(os.path.join(folder, WEIGHTS_FILE)):
+        files = [WEIGHTS_FILE]
+    elif os.path.isfile(os.path.join(folder, INDEX_FILE)):
+        with open(os.path.join(folder, INDEX_FILE)) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    else:
+        raise FileNotFoundError(f"{folder}: neither {WEIGHTS_FILE} nor {INDEX_FILE} (only safetensors are read)")
+    state_dict = {}
+    for name in files:
+        state_dict.update(load_file(os.path.join(folder, name)))
+    return state_dict, config
