@@ -613,6 +613,7 @@ def _core_tokenizer_args(tokenizer_type: str, options: dict):
     )
 
 
+_FILE_OPTIONS = ("tokenizer_model", "vocab_file", "merge_file")
 _LEGACY_OPTIONS = (
     "tokenizer_model",
     "vocab_file",
@@ -638,6 +639,7 @@ def build_preprocess_tokenizer(tokenizer_type: str, *, legacy_tokenizer: bool = 
     tokenizer_hf_include_special_tokens."""
     if tokenizer_type not in SUPPORTED_TOKENIZER_TYPES:
         build_tokenizer(tokenizer_type)  # raises the unsupported-type error
+    options = {k: os.fspath(v) if k in _FILE_OPTIONS and v is not None else v for k, v in options.items()}
     if legacy_tokenizer:
         return build_tokenizer(tokenizer_type, **{k: options[k] for k in _LEGACY_OPTIONS if k in options})
     if tokenizer_type == "GPT2BPETokenizer":
@@ -655,9 +657,11 @@ def build_preprocess_tokenizer(tokenizer_type: str, *, legacy_tokenizer: bool = 
     try:
         return build_core_tokenizer(_core_tokenizer_args(tokenizer_type, options))
     except (AssertionError, ValueError, OSError, RuntimeError) as err:
-        where = "" if tokenizer_type == "NullTokenizer" else f" {os.fspath(options['tokenizer_model'])}"
+        flag = (
+            "--vocab-size" if tokenizer_type == "NullTokenizer" else f"--tokenizer-model {options['tokenizer_model']}"
+        )
         raise TokenizerError(
-            f"--tokenizer-model{where}: megatron.core.tokenizers cannot build a {tokenizer_type} from it ({err})"
+            f"{flag}: megatron.core.tokenizers cannot build a {tokenizer_type} from it ({err})"
         ) from err
 
 
