@@ -117,11 +117,14 @@ def _records(sources: list[Path], jsonl: bool) -> Iterator[Record]:
             index += 1
             continue
         opener = gzip.open if path.suffix == ".gz" else open
-        with opener(path, "rb") as f:
-            for lineno, raw in enumerate(f, start=1):
-                if raw.strip():
-                    yield index, str(path), lineno, raw
-                index += 1
+        try:
+            with opener(path, "rb") as f:
+                for lineno, raw in enumerate(f, start=1):
+                    if raw.strip():
+                        yield index, str(path), lineno, raw
+                    index += 1
+        except OSError as err:  # unreadable, or a .gz that is not gzip
+            raise PreprocessError(f"{path}: cannot read ({err})") from err
 
 
 def _json_value(where: str, obj: dict, key: str) -> str | list[str]:
@@ -151,11 +154,13 @@ def parse_record(source: str, lineno: int, raw: bytes, keys: Sequence[str]) -> d
     return {k: _json_value(where, obj, k) for k in keys}
 
 
-def iter_documents(input_path, json_keys: Sequence[str] = ("text",)) -> Iterator[dict[str, str | list[str]]]:
-    """``{key: text}`` per document; errors name the file (and line of a JSON-lines file)."""
+def iter_documents(input_path, json_keys: Sequence[str] = ("text",)) -> Iterator[dict[str, str]]:
+    """``{key: text}`` per document (a list of sentences joined by spaces); errors name the
+    file (and line of a JSON-lines file)."""
     sources, jsonl = _input_sources(input_path)
     for _, source, lineno, raw in _records(sources, jsonl):
-        yield parse_record(source, lineno, raw, json_keys)
+        doc = parse_record(source, lineno, raw, json_keys)
+        yield {k: v if isinstance(v, str) else " ".join(v) for k, v in doc.items()}
 
 
 # --------------------------------------------------------------------------------------------
@@ -170,7 +175,7 @@ def _install_hint(lang: str) -> str:
     )
 
 
-def _keep_newlines_splitter(nltk, params):
+def keep_newlines_splitter(nltk, params):
     """A punkt splitter that keeps the whitespace after a sentence end (newlines included) with
     that sentence: Megatron-LM's ``--keep-newlines`` changes punkt's period-context pattern so,
     matching ``\\s*`` after the sentence end and any non-space run as the next token."""
@@ -205,7 +210,7 @@ def load_sentence_splitter(lang: str = "english", keep_newlines: bool = False):
             splitter = nltk.data.load(f"tokenizers/punkt/{lang}.pickle")
         except (LookupError, ValueError, OSError) as err:
             raise PreprocessError(_install_hint(lang)) from err
-    return _keep_newlines_splitter(nltk, splitter._params) if keep_newlines else splitter
+    return keep_newlines_splitter(nltk, splitter._params) if keep_newlines else splitter
 
 
 # --------------------------------------------------------------------------------------------
@@ -408,7 +413,10 @@ class _Progress:
                 f"Processed {self.count} documents ({self.count / elapsed:.1f} docs/s, "
                 f"{self.nbytes / elapsed / 1024 / 1024:.2f} MB/s)."
             )
-            self.bar.write(line, file=sys.stderr) if not self.bar.disable else print(line, file=sys.stderr)
+            if self.bar.disable:
+                print(line, file=sys.stderr)
+            else:
+                self.bar.write(line, file=sys.stderr)
 
 
 def _encode_all(job: _Job, builders, workers: int, progress: _Progress) -> dict[str, int]:

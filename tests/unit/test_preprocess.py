@@ -184,6 +184,11 @@ def test_list_values_are_sentences_and_glob_gz_inputs_are_read_in_order(fx, tmp_
     assert ds.sequence_lengths.tolist() == [lengths[0] + 1, lengths[1] + 1, lengths[2], lengths[3] + 1]
     assert ds.document_indices.tolist() == [0, 1, 2, 4] and res.num_documents == 3
     del ds
+    assert list(preprocess_mod.iter_documents(str(tmp_path / "*.jsonl.gz"))) == [
+        {"text": "hello"},
+        {"text": "world"},
+        {"text": "x y z"},
+    ]
 
 
 def test_log_interval_prints_megatron_progress_lines(fx, tmp_path, capsys):
@@ -192,6 +197,67 @@ def test_log_interval_prints_megatron_progress_lines(fx, tmp_path, capsys):
     assert run_tool([*argv, "--log-interval", "3"]) == 0
     err = capsys.readouterr().err
     assert err.count("Processed ") == len(DOCS) // 3 and "Processed 6 documents (" in err
+
+
+# Sentences as Megatron-LM's punkt splitter gives them, produced with nltk 3.10.4 and Megatron-LM
+# core_v0.16.1's tools/preprocess_data.py: PunktSentenceTokenizer(train_text=params) (plain) and
+# PunktSentenceTokenizer(train_text=params, lang_vars=CustomLanguageVars()) (--keep-newlines), for
+# PunktParameters with abbrev_types {"dr", "mr"}.
+PUNKT_TEXTS = [
+    "Mr. Smith went.\nHe saw Dr. Jones.\n\n\nEnd? Yes.  \n",
+    "First one. Second one!\n\nThird here.  Fourth.",
+]
+PUNKT_PLAIN = [
+    ["Mr. Smith went.", "He saw Dr. Jones.", "End?", "Yes."],
+    ["First one.", "Second one!", "Third here.", "Fourth."],
+]
+PUNKT_KEEP_NEWLINES = [
+    ["Mr. Smith went.\n", "He saw Dr. Jones.\n\n\n", "End? ", "Yes."],
+    ["First one. ", "Second one!\n\n", "Third here.  ", "Fourth."],
+]
+
+
+@pytest.fixture
+def punkt_data(tmp_path, monkeypatch):
+    """nltk's ``punkt_tab`` data for "english", written here (abbreviations dr, mr), and the
+    only folder nltk searches."""
+    nltk = pytest.importorskip("nltk")
+    folder = tmp_path / "nltk_data" / "tokenizers" / "punkt_tab" / "english"
+    folder.mkdir(parents=True)
+    (folder / "abbrev_types.txt").write_text("dr\nmr\n", encoding="utf-8")
+    for name in ("collocations.tab", "sent_starters.txt", "ortho_context.tab"):
+        (folder / name).write_text("", encoding="utf-8")
+    monkeypatch.setattr(nltk.data, "path", [str(tmp_path / "nltk_data")])
+    return nltk
+
+
+def test_sentence_splitter_matches_megatron(punkt_data):
+    plain = preprocess_mod.load_sentence_splitter("english")
+    keep = preprocess_mod.load_sentence_splitter("english", keep_newlines=True)
+    assert [plain.tokenize(t) for t in PUNKT_TEXTS] == PUNKT_PLAIN
+    assert [keep.tokenize(t) for t in PUNKT_TEXTS] == PUNKT_KEEP_NEWLINES
+
+
+def test_split_sentences_keep_newlines_end_to_end(fx, tmp_path, punkt_data):
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    src = write_jsonl(tmp_path / "in.jsonl", PUNKT_TEXTS)
+    argv = ["--input", str(src), "--output-prefix", str(tmp_path / "o"), *[f.replace("{FX}", str(fx)) for f in SP]]
+    assert run_tool([*argv, "--split-sentences", "--keep-newlines", "--append-eod", "--workers", "2"]) == 0
+    tok = build_tokenizer("GPTSentencePieceTokenizer", tokenizer_model=fx / "sp_pad.model")
+    ds = IndexedDataset(str(tmp_path / "o_text_sentence"))
+    expected = [tok.tokenize(s) for doc in PUNKT_KEEP_NEWLINES for s in doc]
+    expected[3] += [tok.eod]
+    expected[7] += [tok.eod]
+    assert [ds[i].tolist() for i in range(len(ds))] == expected
+    assert ds.document_indices.tolist() == [0, 4, 8]
+    del ds
+
+
+def test_split_sentences_without_punkt_data_names_the_flag(punkt_data, tmp_path, monkeypatch):
+    monkeypatch.setattr(punkt_data.data, "path", [str(tmp_path / "empty")])
+    with pytest.raises(preprocess_mod.PreprocessError, match=r"--split-sentences needs nltk and its punkt"):
+        preprocess_mod.load_sentence_splitter("english")
 
 
 # --------------------------------------------------------------------------------------------
@@ -236,6 +302,9 @@ def test_bad_flags_are_named(fx, tmp_path, capsys, monkeypatch):
     err = _cli_error(capsys, ["--input", str(missing), "--output-prefix", str(tmp_path / "o"), *sp])
     assert "--input" in err and str(missing) in err
     assert "--input: no files match" in _cli_error(capsys, ["--input", str(tmp_path / "*.nope"), *base[2:], *sp])
+    (tmp_path / "fake.jsonl.gz").write_bytes(b"not gzip")
+    err = _cli_error(capsys, ["--input", str(tmp_path / "fake.jsonl.gz"), *base[2:], *sp])
+    assert f"{tmp_path / 'fake.jsonl.gz'}: cannot read" in err
     monkeypatch.setitem(sys.modules, "nltk", None)  # as on a machine without nltk
     err = _cli_error(capsys, [*base, *sp, "--split-sentences"])
     assert "--split-sentences needs nltk" in err and "nltk.downloader" in err
