@@ -189,7 +189,8 @@ def _cached(cache: Path, params: dict) -> dict[str, object] | None:
     return {
         "data_prefix": str(cache / manifest["data_prefix"]),
         "tokenizer_model": str(cache / manifest["tokenizer_model"]),
-        "tokenizer_type": "SentencePieceTokenizer",
+        # eod = the model's eos (2), as in the data; Megatron-LM's SentencePieceTokenizer would add <EOD>
+        "tokenizer_type": "GPTSentencePieceTokenizer",
         "vocab_size": manifest["vocab_size"],
         "num_documents": manifest["num_documents"],
         "num_tokens": manifest["num_tokens"],
@@ -214,7 +215,14 @@ def _build(cache: Path, params: dict, max_bytes, vocab_size, stdlib_dir, max_fil
     corpus = cache / "corpus" / "stdlib.jsonl"
     atomic_write_bytes(corpus, "".join(texts).encode("utf-8"))
     model = train_sentencepiece(corpus, cache / "tokenizer" / "spm", vocab_size=vocab_size)
-    result = preprocess(corpus, cache / "data" / "stdlib", tokenizer_model=model, append_eod=True, progress=progress)
+    result = preprocess(
+        corpus,
+        cache / "data" / "stdlib",
+        tokenizer_model=model,
+        tokenizer_type="GPTSentencePieceTokenizer",
+        append_eod=True,
+        progress=progress,
+    )
     prefix = Path(result.output_prefixes["text"])
     files = [corpus, model, Path(f"{prefix}.bin"), Path(f"{prefix}.idx")]
     manifest = {

@@ -1,12 +1,11 @@
 """GPT train/valid/test datasets on megatron-core, plus DP-invariant micro-batch slicing.
 
-* Tokenizers are megatron-core's own (``megatron.core.tokenizers.MegatronTokenizer``) built from
-  an in-memory metadata dict, so no ``metadata.json`` file is needed next to the model:
-  ``SentencePieceTokenizer`` (a ``.model`` file) or ``NullTokenizer`` (ids only, vocab size given;
-  its EOD id is ``vocab_size`` and its reported ``vocab_size`` is ``vocab_size + 1``).
-  The returned object has what ``GPTDatasetConfig``/``GPTDataset``/``MockGPTDataset`` read:
-  ``vocab_size``, ``eod``, ``pad`` (raises for Null, megatron then falls back to -1),
-  ``unique_identifiers`` (hashed into the index-cache file names), plus ``tokenize``/``detokenize``.
+* Tokenizers come from ``tokenizers.py``: Megatron-LM's training tokenizers for each
+  ``--tokenizer-type`` (GPT2BPETokenizer, SentencePieceTokenizer, GPTSentencePieceTokenizer,
+  Llama2Tokenizer, HuggingFaceTokenizer, TikTokenizer, NullTokenizer), with what
+  ``GPTDatasetConfig``/``GPTDataset``/``MockGPTDataset`` read: ``vocab_size``, ``eod``, ``pad``
+  (raises where Megatron-LM's does, e.g. NullTokenizer; megatron then falls back to -1),
+  ``unique_identifiers`` (hashed into the index-cache file names), ``tokenize``/``detokenize``.
 * Datasets come from ``BlendedMegatronDatasetBuilder`` with ``GPTDatasetConfig`` and
   ``GPTDataset`` (or ``MockGPTDataset`` when no data prefix is given / ``mock=True``).
   Works with ``torch.distributed`` uninitialized, and when initialized (e.g. gloo): every rank
@@ -42,36 +41,14 @@ def build_tokenizer(
     tokenizer_type: str = "SentencePieceTokenizer",
     tokenizer_model: str | os.PathLike | None = None,
     vocab_size: int | None = None,
+    **kwargs,
 ):
-    """Return a megatron-core tokenizer usable as ``GPTDatasetConfig.tokenizer``.
+    """A tokenizer usable as ``GPTDatasetConfig.tokenizer``, with Megatron-LM's ids for its
+    ``--tokenizer-type`` (``tokenizers.build_tokenizer``; ``kwargs`` are its other arguments:
+    vocab_file, merge_file, vocab_extra_ids, tokenizer_special_tokens, tiktoken_pattern, ...)."""
+    from .tokenizers import build_tokenizer as build
 
-    Args:
-        tokenizer_type: ``"SentencePieceTokenizer"`` or ``"NullTokenizer"``.
-        tokenizer_model: path to a SentencePiece ``.model`` (SentencePieceTokenizer only).
-        vocab_size: number of regular ids (NullTokenizer only); EOD is ``vocab_size``.
-    """
-    from megatron.core.tokenizers import MegatronTokenizer
-
-    if tokenizer_type in ("SentencePieceTokenizer", "sentencepiece"):
-        if tokenizer_model is None:
-            raise ValueError("--tokenizer-model is required for the SentencePieceTokenizer")
-        path = os.path.abspath(os.fspath(tokenizer_model))
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"--tokenizer-model: no such file: {path}")
-        return MegatronTokenizer.from_pretrained(
-            tokenizer_path=path, metadata_path={"library": "sentencepiece", "model_type": "gpt"}
-        )
-    if tokenizer_type in ("NullTokenizer", "null"):
-        if vocab_size is None or int(vocab_size) < 1:
-            raise ValueError("--vocab-size (>= 1) is required for the NullTokenizer")
-        return MegatronTokenizer.from_pretrained(
-            tokenizer_path=None,
-            metadata_path={"library": "null", "model_type": "gpt"},
-            vocab_size=int(vocab_size),
-        )
-    raise ValueError(
-        f"--tokenizer-type: unsupported {tokenizer_type!r} (choose SentencePieceTokenizer or NullTokenizer)"
-    )
+    return build(tokenizer_type, tokenizer_model=tokenizer_model, vocab_size=vocab_size, **kwargs)
 
 
 def padded_vocab_size(

@@ -83,7 +83,7 @@ def test_preprocess_roundtrip(tmp_path, tiny_tokenizer, workers):
     assert res.num_documents == len(DOCS)
     assert not list((tmp_path / "out").glob("*.tmp*")), "temporary files left behind"
 
-    tok = build_tokenizer("SentencePieceTokenizer", tiny_tokenizer)
+    tok = build_tokenizer("GPTSentencePieceTokenizer", tiny_tokenizer)
     ds = IndexedDataset(prefix)
     assert len(ds) == len(DOCS)
     assert ds.index.dtype == numpy.uint16  # vocab 400 < 65500
@@ -127,7 +127,7 @@ def test_preprocess_text_folder_and_cli(tmp_path, tiny_tokenizer, capsys):
     assert rc == 0
     err = capsys.readouterr().err
     assert "tokenize texts" in err and "B/s" in err  # tqdm's progress bar ran
-    tok = build_tokenizer("SentencePieceTokenizer", tiny_tokenizer)
+    tok = build_tokenizer("GPTSentencePieceTokenizer", tiny_tokenizer)
     ds = IndexedDataset(str(tmp_path / "f_text_document"))
     # sorted by relative path: a.txt, b.txt, sub/c.txt; hidden file skipped
     assert [tok.detokenize(ds[i].tolist()[:-1]) for i in range(len(ds))] == [DOCS[0], DOCS[1], DOCS[3]]
@@ -142,7 +142,7 @@ def test_preprocess_text_folder_and_cli(tmp_path, tiny_tokenizer, capsys):
 def _cli_error(capsys, argv):
     tool = _load_tool("preprocess_data")
     with pytest.raises(SystemExit) as exc:
-        tool.main(argv)
+        tool.main([*argv, "--tokenizer-type", "SentencePieceTokenizer"])
     assert exc.value.code == 2
     return capsys.readouterr().err
 
@@ -170,7 +170,7 @@ def test_bad_inputs_name_flag_and_file(tmp_path, tiny_tokenizer, capsys):
     assert "--tokenizer-model" in err and str(corrupt) in err
 
     err = _cli_error(capsys, ["--input", str(good), "--output-prefix", str(out)])
-    assert "--tokenizer-model" in err and "required" in err
+    assert "--tokenizer-type SentencePieceTokenizer needs --tokenizer-model" in err
 
     wrong_key = tmp_path / "wrong_key.jsonl"
     wrong_key.write_text(json.dumps({"content": "x"}) + "\n")
@@ -215,7 +215,7 @@ def test_default_corpus_small_cap(default_data):
     assert all("site-packages" not in r for r in rels)
 
     # tokenizer + indexed data
-    tok = build_tokenizer("SentencePieceTokenizer", result["tokenizer_model"])
+    tok = build_tokenizer(result["tokenizer_type"], result["tokenizer_model"])
     assert tok.vocab_size == SMALL_VOCAB == manifest["vocab_size"]
     assert result["num_documents"] == len(texts) == manifest["num_documents"]
     from megatron.core.datasets.indexed_dataset import IndexedDataset
@@ -294,7 +294,7 @@ SEQ = 64
 @pytest.fixture(scope="session")
 def gpt_datasets(default_data, tmp_path_factory):
     _, result, _ = default_data
-    tok = build_tokenizer("SentencePieceTokenizer", result["tokenizer_model"])
+    tok = build_tokenizer(result["tokenizer_type"], result["tokenizer_model"])
     ds = build_train_valid_test_datasets(
         [200, 20, 10],
         SEQ,
@@ -341,7 +341,7 @@ def _dist_worker(rank, world, init_file, prefix, model, cache_dir, queue):
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
-        tok = build_tokenizer("SentencePieceTokenizer", model)
+        tok = build_tokenizer("GPTSentencePieceTokenizer", model)
         train, valid, _ = build_train_valid_test_datasets(
             [100, 10, 10],
             SEQ,
@@ -364,7 +364,7 @@ def test_gpt_dataset_with_gloo(default_data, tmp_path):
     assert out[0][1] == out[1][1]  # same dataset length on both ranks
     assert out[0][2] == [0, 1] and out[1][2] == [2, 3]
     # the same samples as a single process reading the same cache
-    tok = build_tokenizer("SentencePieceTokenizer", result["tokenizer_model"])
+    tok = build_tokenizer(result["tokenizer_type"], result["tokenizer_model"])
     train, _, _ = build_train_valid_test_datasets(
         [100, 10, 10],
         SEQ,
