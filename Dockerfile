@@ -7,9 +7,10 @@ WORKDIR /workspace/megatron-mfsdp
 COPY pyproject.toml README.md ./
 COPY megatron_mfsdp ./megatron_mfsdp
 # The image's torch (CUDA build) satisfies torch>=2.4, so pip keeps it; megatron-core comes
-# from PyPI. Transformer Engine and NVIDIA Apex are already in the image; Apex is never
-# taken from PyPI (the PyPI package of that name is an unrelated project).
-RUN pip install --no-cache-dir -e .
+# from PyPI at the version CI tests (0.16.1, pinned in pyproject.toml: newer ones need Python
+# 3.12 and change flags we match). Transformer Engine and NVIDIA Apex are already in the
+# image; Apex is never taken from PyPI (the PyPI package of that name is an unrelated project).
+RUN pip install --no-cache-dir -e . "megatron-core==0.16.1" && python -c "import megatron.core as m; assert m.__version__ == '0.16.1', m.__version__"
 COPY pretrain_gpt.py ./
 COPY tools ./tools
 COPY examples ./examples

@@ -45,7 +45,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from megatron_mfsdp.optim.muon import NS_DTYPES, newton_schulz, scaled_update
+from megatron_mfsdp.optim.muon import NS_COEFFICIENTS, NS_DTYPES, newton_schulz, scaled_update
 from megatron_mfsdp.placement import POLICIES
 from megatron_mfsdp.testing import count_collectives, run_workers
 from megatron_mfsdp.testing.baselines import MuonHyper, ReconstructionMuon, ReplicatedMuon
@@ -91,13 +91,17 @@ def _worker(rank, world, a):
     model = build_gpt_model(config, vocab_size=a["vocab_size"], max_sequence_length=a["seq_length"])
     ddp = MatrixFSDP(config, MatrixFSDPConfig(planner=a["planner"], muon_split_qkv=a["split_qkv"]), model)
     opt_cfg = MatrixFSDPOptimizerConfig(
+        optimizer="muon",
+        muon_momentum=0.95,
+        muon_use_nesterov=True,
+        muon_extra_scale_factor=0.2,
         lr=1e-2,
         min_lr=1e-2,
         weight_decay=0.1,
         clip_grad=0.0,
         muon_ns_dtype=a["ns_dtype"],
         muon_num_ns_steps=a["ns_steps"],
-        muon_coefficients=a["coefficients"],
+        muon_coefficient_type=a["coefficients"],
         muon_split_qkv=a["split_qkv"],
         adam_beta1=0.9,
         adam_beta2=0.95,
@@ -215,7 +219,7 @@ def _worker(rank, world, a):
     def ns_loop(items):
         for m, q in items:
             if q is None:
-                newton_schulz(m, hyper.ns["ns_steps"], hyper.ns["coefficients"], hyper.ns["ns_dtype"])
+                newton_schulz(m, hyper.ns["ns_steps"], hyper.ns["coefficient_type"], hyper.ns["ns_dtype"])
             else:
                 scaled_update(m, hyper.lr, qkv_split_shapes=q, **hyper.ns)
 
@@ -345,7 +349,7 @@ def parse_args(argv=None):
         help="Newton-Schulz dtype (bf16 matmuls are very slow on most CPUs)",
     )
     p.add_argument("--ns-steps", type=int, default=5)
-    p.add_argument("--coefficients", default="jordan")
+    p.add_argument("--coefficients", default="simple", choices=sorted(NS_COEFFICIENTS), help="--muon-coefficient-type")
     p.add_argument(
         "--no-split-qkv",
         dest="split_qkv",

@@ -4,7 +4,7 @@ megatron-core.
     from megatron_mfsdp import MatrixFSDP, MatrixFSDPConfig, MatrixFSDPOptimizerConfig, get_megatron_optimizer
 
     model = MatrixFSDP(transformer_config, MatrixFSDPConfig(), gpt_model)   # like megatron's DDP
-    optimizer = get_megatron_optimizer(MatrixFSDPOptimizerConfig(lr=3e-3), [model])
+    optimizer = get_megatron_optimizer(MatrixFSDPOptimizerConfig(optimizer="muon", lr=3e-3), [model])
     print(model.plan.report())                                              # who owns what
 
 ``pretrain_gpt.py`` is the training entry point.

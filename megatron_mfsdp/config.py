@@ -36,10 +36,6 @@ class MatrixFSDPConfig:
     """Owner planner policy: 'greedy' (per unit, largest first, load carried across units),
     'global' (largest first over the whole model) or 'auto' (the better of the two)."""
 
-    optimizer: str = "muon"
-    """The optimizer whose rules decide placement ('muon': hidden matrices whole on owners;
-    'adam': everything split evenly); must equal the optimizer config's."""
-
     muon_split_qkv: bool = True
     """Plan and update QKV matrices as separate Q, K, V blocks; must equal the optimizer config's."""
 
@@ -57,7 +53,6 @@ class MatrixFSDPConfig:
         from .optim import registry
 
         _check_choice(self.planner, POLICIES, "--mfsdp-planner", "planner policy")
-        _check_choice(self.optimizer, registry.optimizer_choices(), "--optimizer", "optimizer")
         for rule in self.param_rules:
             if len(rule) != 2 or rule[1] not in registry.rule_names():
                 raise ValueError(
@@ -68,16 +63,10 @@ class MatrixFSDPConfig:
 
 @dataclass
 class MatrixFSDPOptimizerConfig(OptimizerConfig):
-    """megatron-core's ``OptimizerConfig`` plus the Muon fields it lacks."""
+    """megatron-core's ``OptimizerConfig`` (its defaults) plus the fields it lacks."""
 
-    optimizer: str = "muon"
-    """'muon': Muon on the model's hidden matrices and AdamW on the rest; 'adam': AdamW everywhere."""
-
-    muon_use_nesterov: bool = True
-    """Nesterov momentum for Muon (megatron-core's default is False; Muon's is True)."""
-
-    muon_extra_scale_factor: float = 0.2
-    """Extra factor on the Muon update scale; 0.2 with 'spectral' matches AdamW's update RMS."""
+    optimizer: str = "adam"
+    """'adam' (AdamW) everywhere, 'muon' on the model's hidden matrices with AdamW on the rest, or 'sgd'."""
 
     muon_scale_mode: str = field(default="spectral", metadata={"choices": SCALE_MODES})
     """Update scale: spectral sqrt(max(m,n)), shape_scaling sqrt(max(1,m/n)), unit_rms_norm sqrt(m/n)."""
@@ -86,12 +75,12 @@ class MatrixFSDPOptimizerConfig(OptimizerConfig):
     """Muon on TP shards: blockwise (per shard, no communication), distributed (Gram all-reduce
     per iteration, exact) or duplicated (all-gather over TP, exact)."""
 
-    muon_coefficients: str = field(default="jordan", metadata={"choices": tuple(NS_COEFFICIENTS)})
-    """Newton-Schulz coefficients: 'jordan' (3.4445, -4.7750, 2.0315) each step, or 'quintic'
-    (a per-step schedule)."""
+    muon_coefficient_type: str = field(default="quintic", metadata={"choices": tuple(NS_COEFFICIENTS)})
+    """Newton-Schulz coefficients, megatron-core's names: simple (Jordan's constants), quintic,
+    polar_express, aol (ours: polar_express_nanogpt)."""
 
     muon_ns_dtype: str = field(default="bf16", metadata={"choices": tuple(NS_DTYPES)})
-    """dtype of the Newton-Schulz iterations: 'bf16' (the GPU default) or 'fp32'."""
+    """dtype of the Newton-Schulz iterations (megatron-core's fp32_matmul_prec 'medium' is bf16)."""
 
     def __post_init__(self):
         super().__post_init__()
@@ -102,6 +91,4 @@ class MatrixFSDPOptimizerConfig(OptimizerConfig):
         _check_choice(self.muon_ns_dtype, tuple(NS_DTYPES), "--muon-ns-dtype", "Newton-Schulz dtype")
         _check_choice(self.muon_scale_mode, SCALE_MODES, "--muon-scale-mode", "Muon scale mode")
         _check_choice(self.muon_tp_mode, TP_MODES, "--muon-tp-mode", "Muon TP mode")
-        if self.muon_num_ns_steps < 1:
-            raise ValueError(f"--muon-ns-steps must be >= 1, got {self.muon_num_ns_steps}")
-        ns_coefficients_for(self.muon_coefficients, self.muon_num_ns_steps)
+        ns_coefficients_for(self.muon_coefficient_type, self.muon_num_ns_steps)

@@ -16,8 +16,11 @@ ITERATION_LINE = re.compile(
 )
 VALIDATION_LINE = re.compile(r"validation loss at iteration (\d+) \| lm loss value: ([\d.E+-]+) \|")
 
+# A tiny GPT on mock data, every choice explicit (Megatron-LM's defaults are not the tests' choices).
 TINY = [
     "--mock-data",
+    "--tokenizer-type",
+    "NullTokenizer",
     "--vocab-size",
     "200",
     "--num-layers",
@@ -31,14 +34,37 @@ TINY = [
     "2",
     "--seq-length",
     "32",
+    "--max-position-embeddings",
+    "32",
     "--micro-batch-size",
     "2",
     "--global-batch-size",
     "8",
     "--train-iters",
     "5",
+    "--lr",
+    "3e-3",
+    "--lr-decay-style",
+    "cosine",
     "--lr-warmup-iters",
     "1",
+    "--adam-beta2",
+    "0.95",
+    "--hidden-dropout",
+    "0",
+    "--attention-dropout",
+    "0",
+    "--optimizer",
+    "muon",
+    "--muon-momentum",
+    "0.95",
+    "--muon-use-nesterov",
+    "--muon-extra-scale-factor",
+    "0.2",
+    "--muon-coefficient-type",
+    "simple",
+    "--muon-ns-dtype",
+    "fp32",
     "--log-interval",
     "1",
     "--eval-interval",
@@ -49,6 +75,12 @@ TINY = [
     "0",
     "--seed",
     "7",
+    "--num-workers",
+    "0",
+    "--disable-jit-fuser",
+    "--mfsdp-vocab-padding-independent-of-tp",
+    "--distributed-backend",
+    "gloo",
 ]
 
 
@@ -90,13 +122,14 @@ def _pretrain_worker(rank, world_size, argv):
     return {"history": history, "stdout": out.getvalue()}
 
 
-def pretrain_in_workers(nproc: int, *flags: str, tmp_path) -> dict:
+def pretrain_in_workers(nproc: int, *flags: str, tmp_path, rank: int = -1) -> dict:
     """pretrain_gpt.py's code path (parse_args, pretrain) on the session's pooled gloo
-    workers, without torchrun's start-up cost: rank 0's loss history and stdout."""
+    workers, without torchrun's start-up cost: one rank's loss history and stdout (by default
+    the last rank's, which prints the training log; rank 0 prints start-up and exit lines)."""
     from megatron_mfsdp.testing import run_workers
 
     argv = [*flags, "--output-dir", str(tmp_path / "out")]
-    return run_workers(nproc, _pretrain_worker, argv)[0]
+    return run_workers(nproc, _pretrain_worker, argv)[rank]
 
 
 def train_losses(result: dict) -> list:

@@ -64,17 +64,24 @@ def padded_vocab_size(
 # --------------------------------------------------------------------------------------------
 
 
-def _normalize_prefixes(data_prefix: DataPrefix | None) -> list[str] | None:
+def _blend(data_prefix: DataPrefix | None, weights: Sequence[float] | None = None):
+    """megatron-core's (prefixes, weights) blend of a --data-path list (P1 P2 ... or W1 P1 W2 P2 ...,
+    read by megatron.core.datasets.utils.get_blend_from_list), with absolute prefixes."""
+    from megatron.core.datasets.utils import get_blend_from_list
+
     if data_prefix is None:
         return None
     if isinstance(data_prefix, (str, os.PathLike)):
         data_prefix = [data_prefix]
-    prefixes = [os.path.abspath(os.fspath(p)) for p in data_prefix]
+    prefixes, listed = get_blend_from_list([os.fspath(p) for p in data_prefix])
+    prefixes = [os.path.abspath(p) for p in prefixes]
     for p in prefixes:
         for ext in (".bin", ".idx"):
             if not os.path.isfile(p + ext):
                 raise FileNotFoundError(f"data prefix {p}: missing {p + ext}")
-    return prefixes
+    if weights is not None and len(weights) != len(prefixes):
+        raise ValueError("weights and data prefixes must be equal in number")
+    return prefixes, list(weights) if weights is not None else listed
 
 
 def train_valid_test_num_samples(
@@ -97,6 +104,7 @@ def build_gpt_dataset_config(
     seed: int = 1234,
     data_cache_path: str | os.PathLike | None = None,
     weights: Sequence[float] | None = None,
+    per_split_prefixes: Sequence[DataPrefix | None] | None = None,
     reset_position_ids: bool = False,
     reset_attention_mask: bool = False,
     eod_mask_loss: bool = False,
@@ -104,7 +112,9 @@ def build_gpt_dataset_config(
     mmap_bin_files: bool = True,
     num_dataset_builder_threads: int = 1,
 ):
-    """A ``GPTDatasetConfig``; mock mode (``config.mock``) when ``data_prefix`` is None.
+    """A ``GPTDatasetConfig``; mock mode (``config.mock``) when ``data_prefix`` and
+    ``per_split_prefixes`` (--train/valid/test-data-path, Megatron-LM's blend_per_split) are None.
+    ``data_prefix`` is a --data-path list: prefixes, or weights and prefixes alternating.
 
     Splits that would receive zero tokens from a data prefix (e.g. the "1" of "969,30,1" over a
     corpus of a few hundred documents) are dropped from ``split_matrix`` (that split's dataset is
@@ -113,16 +123,13 @@ def build_gpt_dataset_config(
     """
     from megatron.core.datasets.gpt_dataset import GPTDatasetConfig
 
-    prefixes = _normalize_prefixes(data_prefix)
-    blend = None
-    if prefixes is not None:
-        if weights is not None and len(weights) != len(prefixes):
-            raise ValueError("weights and data prefixes must be equal in number")
-        blend = (prefixes, list(weights) if weights is not None else None)
+    blend = _blend(data_prefix, weights)
+    per_split = [_blend(p) for p in per_split_prefixes] if per_split_prefixes else None
     config = GPTDatasetConfig(
         random_seed=seed,
         sequence_length=seq_length,
         blend=blend,
+        blend_per_split=per_split,
         split=split if blend is not None else None,
         path_to_cache=os.fspath(data_cache_path) if data_cache_path is not None else None,
         tokenizer=tokenizer,
@@ -133,6 +140,7 @@ def build_gpt_dataset_config(
         mmap_bin_files=mmap_bin_files,
         num_dataset_builder_threads=num_dataset_builder_threads,
     )
+    prefixes = blend[0] if blend is not None else None
     if prefixes is not None:
         _drop_empty_splits(config, prefixes)
     return config

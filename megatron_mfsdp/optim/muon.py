@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -20,24 +21,63 @@ from .rule import OwnedPiece, StepContext, UpdateRule
 
 Coefficients = tuple[float, float, float]
 
-# Named Newton-Schulz coefficient schedules (a, b, c) for
-#   X <- a X + (b A + c A A) X,  A = X X^T.
-# A schedule shorter than the requested number of steps repeats its last tuple.
-NS_COEFFICIENTS: dict[str, list[Coefficients] | tuple] = {
-    # Keller Jordan's constant quintic (https://kellerjordan.github.io/posts/muon/),
-    # the same constants as torch.optim.Muon's DEFAULT_A/B/C.
-    "jordan": [(3.4445, -4.7750, 2.0315)],
-    # Per-step "Polar Express" schedule, 5 steps: Amsel, Persson, Musco, Gower,
-    # "The Polar Express: Optimal Matrix Sign Methods and Their Application to the
-    # Muon Algorithm", arXiv:2505.16932; numbers as published in modded-nanogpt's
-    # train_gpt.py (``polar_express_coeffs``; computed with a safety factor of 2e-2).
-    "quintic": [
-        (8.156554524902461, -22.48329292557795, 15.878769915207462),
-        (4.042929935166739, -2.808917465908714, 0.5000178451051316),
-        (3.8916678022926607, -2.772484153217685, 0.5060648178503393),
-        (3.285753657755655, -2.3681294933425376, 0.46449024233003106),
-        (2.3465413258596377, -1.7097828382687081, 0.42323551169305323),
-    ],
+
+@dataclass(frozen=True)
+class NSSchedule:
+    """A named Newton-Schulz coefficient schedule (a, b, c) for X <- a X + (b A + c A A) X, A = X X^T,
+    and how it stretches to a step count: 'repeat' cycles the whole list (the step count must be a
+    multiple of its length), 'extend' repeats the last tuple (at least ``len`` steps)."""
+
+    steps: tuple[Coefficients, ...]
+    stretch: str = "repeat"
+
+
+# The names and numbers of megatron-core's --muon-coefficient-type (emerging_optimizers'
+# orthogonalized_optimizers/muon_utils.py _COEFFICIENT_SETS, read for the published numbers).
+NS_COEFFICIENTS: dict[str, NSSchedule] = {
+    # Keller Jordan's constant quintic, the constants of torch.optim.Muon (DEFAULT_A/B/C).
+    "simple": NSSchedule(((3.4445, -4.7750, 2.0315),)),
+    # Per-step quintic optimized by Franz Cesista (leloykun.github.io/ponder/muon-opt-coeffs),
+    # as in modded-nanogpt's train_gpt_medium.py.
+    "quintic": NSSchedule(
+        (
+            (4.0848, -6.8946, 2.9270),
+            (3.9505, -6.3029, 2.6377),
+            (3.7418, -5.5913, 2.3037),
+            (2.8769, -3.1427, 1.2046),
+            (2.8366, -3.0525, 1.2012),
+        )
+    ),
+    # Polar Express, Amsel, Persson, Musco, Gower, arXiv:2505.16932 (8 steps, last one repeated).
+    "polar_express": NSSchedule(
+        (
+            (8.2051, -22.9019, 16.4607),
+            (4.0664, -2.8612, 0.5184),
+            (3.9096, -2.8234, 0.5250),
+            (3.2856, -2.4153, 0.4853),
+            (2.2779, -1.6198, 0.3985),
+            (1.8726, -1.2307, 0.3585),
+            (1.8564, -1.2132, 0.3568),
+            (1.8750, -1.2500, 0.3750),
+        ),
+        "extend",
+    ),
+    # Turbo-Muon's schedule (github.com/thib-s/flash-newton-schulz), without its preconditioning.
+    "aol": NSSchedule(
+        ((4.0098, -7.0585, 2.4635), (3.4585, -5.5479, 2.5959), (2.7573, -3.2939, 1.4254), (2.7215, -3.0494, 1.3169))
+    ),
+    # Ours before megatron-core's names (--muon-coefficients quintic): the 5-step Polar Express
+    # numbers published in modded-nanogpt's train_gpt.py (safety factor 2e-2), last one repeated.
+    "polar_express_nanogpt": NSSchedule(
+        (
+            (8.156554524902461, -22.48329292557795, 15.878769915207462),
+            (4.042929935166739, -2.808917465908714, 0.5000178451051316),
+            (3.8916678022926607, -2.772484153217685, 0.5060648178503393),
+            (3.285753657755655, -2.3681294933425376, 0.46449024233003106),
+            (2.3465413258596377, -1.7097828382687081, 0.42323551169305323),
+        ),
+        "extend",
+    ),
 }
 
 SCALE_MODES = ("spectral", "shape_scaling", "unit_rms_norm")
@@ -45,20 +85,29 @@ NS_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
 def ns_coefficients_for(name: str, steps: int) -> list[Coefficients]:
-    """Return ``steps`` (a, b, c) tuples of the named schedule (last one repeated)."""
+    """``steps`` (a, b, c) tuples of the named schedule, stretched as megatron-core does."""
     if name not in NS_COEFFICIENTS:
         valid = ", ".join(repr(k) for k in NS_COEFFICIENTS)
-        raise ValueError(f"unknown Newton-Schulz coefficients {name!r} (--muon-coefficients); choose one of {valid}")
+        raise ValueError(
+            f"unknown Newton-Schulz coefficients {name!r} (--muon-coefficient-type); choose one of {valid}"
+        )
     if steps < 1:
-        raise ValueError(f"Newton-Schulz steps must be >= 1, got {steps}")
-    schedule = [tuple(float(v) for v in abc) for abc in NS_COEFFICIENTS[name]]
-    return [schedule[min(i, len(schedule) - 1)] for i in range(steps)]  # type: ignore[misc]
+        raise ValueError(f"--muon-num-ns-steps must be >= 1, got {steps}")
+    schedule = NS_COEFFICIENTS[name]
+    n = len(schedule.steps)
+    if schedule.stretch == "extend":
+        if steps < n and name == "polar_express":
+            raise ValueError(f"--muon-num-ns-steps {steps}: --muon-coefficient-type polar_express needs at least {n}")
+        return [schedule.steps[min(i, n - 1)] for i in range(steps)]
+    if steps % n:
+        raise ValueError(f"--muon-num-ns-steps {steps} must be a multiple of {n} for --muon-coefficient-type {name}")
+    return [schedule.steps[i % n] for i in range(steps)]
 
 
 def newton_schulz(
     grad: Tensor,
     steps: int = 5,
-    coefficients: str = "jordan",
+    coefficient_type: str = "simple",
     ns_dtype: torch.dtype = torch.bfloat16,
     eps: float = 1e-7,
 ) -> Tensor:
@@ -71,7 +120,7 @@ def newton_schulz(
     """
     if grad.dim() != 2:
         raise ValueError(f"newton_schulz expects a 2D matrix, got shape {tuple(grad.shape)}")
-    schedule = ns_coefficients_for(coefficients, steps)
+    schedule = ns_coefficients_for(coefficient_type, steps)
     x = grad.float().to(ns_dtype)
     transposed = grad.size(0) > grad.size(1)
     if transposed:
@@ -151,7 +200,7 @@ def muon_orthogonalized_update(
     momentum_dir: Tensor,
     *,
     ns_steps: int,
-    coefficients: str,
+    coefficient_type: str,
     ns_dtype: torch.dtype,
     scale_mode: str,
     extra_scale_factor: float,
@@ -161,7 +210,7 @@ def muon_orthogonalized_update(
 
     def one(m: Tensor) -> Tensor:
         scale = update_scale(tuple(m.shape), scale_mode, extra_scale_factor)
-        return newton_schulz(m, ns_steps, coefficients, ns_dtype).mul_(scale)
+        return newton_schulz(m, ns_steps, coefficient_type, ns_dtype).mul_(scale)
 
     if qkv_split_shapes is None:
         return one(momentum_dir)
@@ -181,7 +230,7 @@ def scaled_update(
     lr: float,
     *,
     ns_steps: int,
-    coefficients: str,
+    coefficient_type: str,
     ns_dtype: torch.dtype,
     scale_mode: str,
     extra_scale_factor: float,
@@ -190,12 +239,12 @@ def scaled_update(
     """(update, alpha) with ``param += alpha * update``. Without a QKV split the scale is
     folded into alpha, as torch.optim.Muon does, so results are bitwise equal to it."""
     if qkv_split_shapes is None:
-        update = newton_schulz(direction, ns_steps, coefficients, ns_dtype)
+        update = newton_schulz(direction, ns_steps, coefficient_type, ns_dtype)
         return update, -lr * update_scale(tuple(direction.shape), scale_mode, extra_scale_factor)
     update = muon_orthogonalized_update(
         direction,
         ns_steps=ns_steps,
-        coefficients=coefficients,
+        coefficient_type=coefficient_type,
         ns_dtype=ns_dtype,
         scale_mode=scale_mode,
         extra_scale_factor=extra_scale_factor,
@@ -221,7 +270,7 @@ def muon_step_(
     momentum: float = 0.95,
     nesterov: bool = True,
     ns_steps: int = 5,
-    coefficients: str = "jordan",
+    coefficient_type: str = "simple",
     ns_dtype: torch.dtype = torch.bfloat16,
     scale_mode: str = "spectral",
     extra_scale_factor: float = 0.2,
@@ -239,7 +288,7 @@ def muon_step_(
         direction,
         lr,
         ns_steps=ns_steps,
-        coefficients=coefficients,
+        coefficient_type=coefficient_type,
         ns_dtype=ns_dtype,
         scale_mode=scale_mode,
         extra_scale_factor=extra_scale_factor,
@@ -264,7 +313,7 @@ def muon_kwargs(cfg) -> dict:
     """The Newton-Schulz and scale settings of a MatrixFSDPOptimizerConfig."""
     return dict(
         ns_steps=cfg.muon_num_ns_steps,
-        coefficients=cfg.muon_coefficients,
+        coefficient_type=cfg.muon_coefficient_type,
         ns_dtype=NS_DTYPES[cfg.muon_ns_dtype],
         scale_mode=cfg.muon_scale_mode,
         extra_scale_factor=cfg.muon_extra_scale_factor,

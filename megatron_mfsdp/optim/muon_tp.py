@@ -57,7 +57,7 @@ def _all_gather_along(x: Tensor, dim: int, group) -> Tensor:
 
 
 def distributed_newton_schulz(
-    x_local: Tensor, split_dim: int, group, steps: int, coefficients: str, ns_dtype: torch.dtype, eps: float = 1e-7
+    x_local: Tensor, split_dim: int, group, steps: int, coefficient_type: str, ns_dtype: torch.dtype, eps: float = 1e-7
 ) -> Tensor:
     """Newton-Schulz of the matrix whose shards along ``split_dim`` are spread over
     ``group``; returns this rank's shard of the result (fp32)."""
@@ -72,7 +72,7 @@ def distributed_newton_schulz(
     norm = g.float().diagonal().sum().clamp(min=0).sqrt().clamp(min=eps)
     x = x / norm.to(ns_dtype)
     g = g / (norm * norm).to(ns_dtype)
-    for step, (a, b, c) in enumerate(ns_coefficients_for(coefficients, steps)):
+    for step, (a, b, c) in enumerate(ns_coefficients_for(coefficient_type, steps)):
         if step:
             g = gram(x)
         poly = torch.addmm(g, g, g, beta=b, alpha=c)
@@ -94,7 +94,7 @@ def tp_muon_step_(
     momentum: float,
     nesterov: bool,
     ns_steps: int,
-    coefficients: str,
+    coefficient_type: str,
     ns_dtype: torch.dtype,
     scale_mode: str,
     extra_scale_factor: float,
@@ -103,7 +103,7 @@ def tp_muon_step_(
     """One Muon step on this rank's TP shard (see the module docstring for the modes)."""
     kwargs = dict(
         ns_steps=ns_steps,
-        coefficients=coefficients,
+        coefficient_type=coefficient_type,
         ns_dtype=ns_dtype,
         scale_mode=scale_mode,
         extra_scale_factor=extra_scale_factor,
@@ -143,7 +143,7 @@ def _distributed_update(
     tp_size: int,
     *,
     ns_steps: int,
-    coefficients: str,
+    coefficient_type: str,
     ns_dtype: torch.dtype,
     scale_mode: str,
     extra_scale_factor: float,
@@ -155,7 +155,7 @@ def _distributed_update(
     for block in blocks:
         scale = update_scale(_full_shape(block.shape, partition_dim, tp_size), scale_mode, extra_scale_factor)
         parts.append(
-            distributed_newton_schulz(block, partition_dim, tp_group, ns_steps, coefficients, ns_dtype).mul_(scale)
+            distributed_newton_schulz(block, partition_dim, tp_group, ns_steps, coefficient_type, ns_dtype).mul_(scale)
         )
     return merge_qkv(parts, qkv_split_shapes, tuple(direction.shape)) if qkv_split_shapes else parts[0]
 

@@ -47,6 +47,7 @@ class MatrixFSDPOptimizer(MegatronOptimizer):
     def __init__(self, config: OptimizerConfig, model_chunks: list):
         """``config`` is a MatrixFSDPOptimizerConfig (megatron's OptimizerConfig plus ours)."""
         self.model_chunks = model_chunks
+        self.config_optimizer = config.optimizer
         groups = model_chunks[0].groups
         # Norms and inf checks span every rank that holds distinct gradient elements
         # (DP shards, TP, PP); duplicates are excluded per piece.
@@ -67,35 +68,45 @@ class MatrixFSDPOptimizer(MegatronOptimizer):
 
     # ------------------------------------------------------------- set-up
     def _rule_of(self, slot, param) -> UpdateRule:
-        rule = registry.get(slot.rule)
+        rule = registry.resolve(slot.rule, self.config_optimizer)
         if rule.tp_variant and group_size(self.tp_group) > 1 and getattr(param, "tensor_model_parallel", False):
             return registry.get(rule.tp_variant)
         return rule
 
-    def _param_groups(self, config) -> dict[tuple[str, float], dict]:
-        """One lr/wd group per (update rule, weight-decay multiplier) used anywhere in the plan,
-        so every rank has the same groups, even one that owns nothing."""
-        keys = set()
-        for chunk in self.model_chunks:
-            for unit in chunk.units:
-                for slot, param in unit.params:
-                    wd_mult = 0.0 if no_weight_decay(slot.name, slot.shape) else 1.0
-                    keys.add((self._rule_of(slot, param).name, wd_mult))
-        return {
-            key: {
-                "params": [],
-                "optimizer": key[0],
-                "wd_mult": key[1],
-                "lr_mult": 1.0,
-                "lr": config.lr,
-                "max_lr": config.lr,
-                "min_lr": config.min_lr,
-                "weight_decay": config.weight_decay * key[1],
-                "is_decoupled_lr": False,
-                "default_config": True,
-            }
-            for key in sorted(keys, key=lambda k: (registry.order(k[0]), -k[1]))
+    def _group_key(self, config, slot, param) -> tuple[str, float, bool]:
+        """(update rule, weight-decay multiplier, decoupled lr): megatron-core's grouping, where biases
+        and 1D parameters take no weight decay and, with --decoupled-lr, the input and output
+        embeddings take their own lr."""
+        wd_mult = 0.0 if no_weight_decay(slot.name, slot.shape) else 1.0
+        decoupled = config.decoupled_lr is not None and getattr(param, "is_embedding_or_output_parameter", False)
+        return self._rule_of(slot, param).name, wd_mult, bool(decoupled)
+
+    def _param_groups(self, config) -> dict[tuple, dict]:
+        """One lr/wd group per key used anywhere in the plan, so every rank has the same groups,
+        even one that owns nothing."""
+        keys = {
+            self._group_key(config, slot, param)
+            for chunk in self.model_chunks
+            for unit in chunk.units
+            for slot, param in unit.params
         }
+        groups = {}
+        for rule, wd_mult, decoupled in sorted(keys, key=lambda k: (registry.order(k[0]), -k[1], k[2])):
+            lr = config.decoupled_lr if decoupled else config.lr
+            min_lr = config.decoupled_min_lr if decoupled and config.decoupled_min_lr is not None else config.min_lr
+            groups[(rule, wd_mult, decoupled)] = {
+                "params": [],
+                "optimizer": rule,
+                "wd_mult": wd_mult,
+                "lr_mult": 1.0,
+                "lr": lr,
+                "max_lr": lr,
+                "min_lr": min_lr,
+                "weight_decay": config.weight_decay * wd_mult,
+                "is_decoupled_lr": decoupled,
+                "default_config": not decoupled,
+            }
+        return groups
 
     def _add_pieces(self, config, chunk, param_groups) -> None:
         tp_rank = group_rank(self.tp_group)
@@ -125,8 +136,7 @@ class MatrixFSDPOptimizer(MegatronOptimizer):
                 owned.state = {name: torch.zeros_like(owned.master) for name in rule.state}
                 if rule.check is not None:
                     rule.check(owned, config)
-                wd_mult = 0.0 if no_weight_decay(slot.name, slot.shape) else 1.0
-                param_groups[(rule.name, wd_mult)]["params"].append(owned)
+                param_groups[self._group_key(config, slot, param)]["params"].append(owned)
 
     @staticmethod
     def _grad_scaler(config):
@@ -184,6 +194,17 @@ class MatrixFSDPOptimizer(MegatronOptimizer):
             dist.all_reduce(local, group=self.grad_stats_parallel_group)
         sumsq = local[0].item()
         return not math.isfinite(sumsq), math.sqrt(sumsq), local[1].item() if count_zeros else None
+
+    @torch.no_grad()
+    def params_norm(self) -> float:
+        """L2 norm of the weights (the owners' fp32 masters), each element counted once."""
+        local = torch.zeros(1, dtype=torch.float64, device=self.model_chunks[0].device)
+        for _, owned in self._pieces():
+            if owned.in_grad_norm:
+                local += torch.linalg.vector_norm(owned.master, dtype=torch.float64).square()
+        if dist.get_world_size(self.grad_stats_parallel_group) > 1:
+            dist.all_reduce(local, group=self.grad_stats_parallel_group)
+        return math.sqrt(local.item())
 
     # ---------------------------------------------------- MegatronOptimizer
     def get_loss_scale(self) -> torch.Tensor:
@@ -333,9 +354,4 @@ def get_megatron_optimizer(config: OptimizerConfig, model_chunks: list) -> Matri
             raise TypeError(f"model chunk {type(chunk).__name__} is not wrapped in MatrixFSDP")
         if chunk.ddp_config.muon_split_qkv != config.muon_split_qkv:
             raise ValueError("--muon-split-qkv must be the same for the planner and the optimizer")
-        if chunk.ddp_config.optimizer != config.optimizer:
-            raise ValueError(
-                f"the model chunks were placed for --optimizer {chunk.ddp_config.optimizer}, "
-                f"the optimizer is {config.optimizer}"
-            )
     return MatrixFSDPOptimizer(config, model_chunks)

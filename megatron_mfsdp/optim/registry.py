@@ -10,11 +10,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ..placement.rules import RuleKind, RuleSet
-from . import adamw, muon, muon_tp
+from ..placement.rules import SLICE, RuleKind, RuleSet
+from . import adamw, muon, muon_tp, sgd
 from .rule import UpdateRule
 
-_ENTRIES: tuple[UpdateRule, ...] = (muon.RULE, muon_tp.RULE, adamw.RULE)
+_ENTRIES: tuple[UpdateRule, ...] = (muon.RULE, muon_tp.RULE, adamw.RULE, sgd.RULE)
 RULES: dict[str, UpdateRule] = {rule.name: rule for rule in _ENTRIES}
 
 
@@ -39,12 +39,25 @@ def rule_names() -> list[str]:
     return list(RULES)
 
 
+PLACEMENT_MATRIX_RULE = "muon"
+"""Placement stores the model's hidden matrices under this rule (whole, on one owner) whatever
+the optimizer, so a layout and its checkpoints do not depend on --optimizer."""
+
+
 def matrix_rule(optimizer: str) -> str:
     """The rule that --optimizer OPTIMIZER applies to the model's hidden matrices."""
     for rule in _ENTRIES:
         if rule.optimizer == optimizer:
             return rule.name
     raise ValueError(f"unknown optimizer {optimizer!r} (--optimizer); choose one of {', '.join(optimizer_choices())}")
+
+
+def resolve(slot_rule: str, optimizer: str) -> UpdateRule:
+    """The update rule of a piece placed under ``slot_rule`` when training with ``optimizer``: an
+    elementwise optimizer (adam, sgd) runs everywhere; a matrix optimizer (muon) keeps placement's
+    rules (muon on the hidden matrices, adamw on the rest, and the user's --mfsdp-param-rule)."""
+    main = get(matrix_rule(optimizer))
+    return main if main.storage == SLICE else get(slot_rule)
 
 
 def rule_set(rules: Sequence[tuple[str, str]]) -> RuleSet:

@@ -44,7 +44,8 @@ class PendingReduce:
     def wait(self) -> torch.Tensor:
         summed = []
         for region in self._contributions:  # [world, numel] per region (matrix, tail)
-            total = region[0].clone()
+            total = region[0].float()  # the owner sums in fp32 even when the wire carries bf16
+            total = total.clone() if total.data_ptr() == region[0].data_ptr() else total
             for r in range(1, region.shape[0]):
                 total.add_(region[r])
             summed.append(total)

@@ -20,7 +20,9 @@ from .wrapper import MatrixFSDP
 
 
 def finalize_model_grads(model_chunks: list[MatrixFSDP], num_tokens: torch.Tensor | None = None, **unused) -> None:
-    """Called by the schedule after the last backward of the step."""
+    """Called by the schedule after the last backward of the step. With a per-token loss the
+    schedule passes this rank's token count (last stage only): as megatron's finalize_model_grads,
+    broadcast it over the pipeline, sum it over DP, and divide the gradients by it."""
     for chunk in model_chunks:
         chunk.finish_grad_sync()
     embedding_group = model_chunks[0].groups.embedding
@@ -31,6 +33,20 @@ def finalize_model_grads(model_chunks: list[MatrixFSDP], num_tokens: torch.Tenso
                 # on both (one tail parameter, the same DP size): DP rank r sums with DP rank r.
                 if unit.unit.shared_across_stages and unit.grad_segment.numel():
                     all_reduce_flat([unit.grad_segment], embedding_group)
+    if num_tokens is not None:
+        _divide_by_tokens(model_chunks, num_tokens)
+
+
+def _divide_by_tokens(model_chunks: list[MatrixFSDP], num_tokens: torch.Tensor) -> None:
+    import torch.distributed as dist
+
+    groups = model_chunks[0].groups
+    if groups.pp_size > 1:
+        dist.broadcast(num_tokens, src=dist.get_process_group_ranks(groups.pp)[-1], group=groups.pp)
+    dist.all_reduce(num_tokens, group=groups.dp)
+    if num_tokens.item() > 0:
+        for chunk in model_chunks:
+            chunk.scale_gradients(1.0 / num_tokens.item())
 
 
 def configure_schedule(model_chunks: list[MatrixFSDP], optimizer=None) -> None:

@@ -54,9 +54,7 @@ class _UnitState:
 def unit_specs(units: list[ModelUnit], ddp_config: MatrixFSDPConfig, adapter: ModelAdapter, config) -> list[UnitSpec]:
     """Classify and cost the parameters of model units for the planner: user rules first,
     then the model's own, each rule's storage and cost from the optimizer's registry."""
-    rules = registry.rule_set(
-        list(ddp_config.param_rules) + adapter.param_rules(registry.matrix_rule(ddp_config.optimizer))
-    )
+    rules = registry.rule_set(list(ddp_config.param_rules) + adapter.param_rules(registry.PLACEMENT_MATRIX_RULE))
     specs = []
     for unit in units:
         params = []
@@ -93,7 +91,10 @@ class MatrixFSDP(torch.nn.Module):
         self.config, self.ddp_config, self.module = config, ddp_config, module
         self.groups = groups if groups is not None else ProcessGroups.from_parallel_state()
         self.dp_rank, self.dp_size = self.groups.dp_shard_rank, self.groups.dp_shard_size
-        self.gradient_scaling_factor = 1.0 / (self.dp_size * self.groups.replica_size)
+        # Averaged over DP like megatron's DDP; with a per-token loss the schedule's finalize step
+        # divides by the global token count instead (megatron's calculate_per_token_loss).
+        per_token = getattr(config, "calculate_per_token_loss", False)
+        self.gradient_scaling_factor = 1.0 if per_token else 1.0 / (self.dp_size * self.groups.replica_size)
         adapter = adapter if adapter is not None else adapter_for(module)
         units = adapter.units(module)
         self.global_names: dict[str, str] = adapter.global_names(module)

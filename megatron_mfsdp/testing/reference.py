@@ -48,7 +48,7 @@ def reference_train(
     from ..models.gpt import gpt_param_rules, qkv_split_rows
     from ..optim import registry
 
-    rules = registry.rule_set(gpt_param_rules(registry.matrix_rule(opt_config.optimizer)))
+    rules = registry.rule_set(gpt_param_rules(registry.PLACEMENT_MATRIX_RULE))
     params = dict(model.named_parameters())
     state = {n: {} for n in params}
     qkv_rows = qkv_split_rows(config) if opt_config.muon_split_qkv else None
@@ -59,7 +59,7 @@ def reference_train(
         _clip_(acc, opt_config.clip_grad)
         with torch.no_grad():
             for n, p in params.items():
-                if rules.classify(n, p.shape) == "muon":
+                if registry.resolve(rules.classify(n, p.shape), opt_config.optimizer).name == "muon":
                     split = qkv_rows if n.endswith("linear_qkv.weight") else None
                     _muon_blocks_step(p, acc[n], state[n], opt_config, split, muon_blocks)
                 else:

@@ -88,10 +88,16 @@ def lm_loss(model, tokens: torch.Tensor, num_micro: int) -> torch.Tensor:
 
 
 def optimizer_config(**overrides):
-    """The optimizer settings the exactness tests use (fp32 Newton-Schulz, no clipping)."""
+    """The optimizer settings the exactness tests use: Muon on the hidden matrices (momentum
+    0.95, Nesterov, spectral x 0.2, Jordan's constants), fp32 Newton-Schulz, no clipping."""
     from ..config import MatrixFSDPOptimizerConfig
 
     kwargs = dict(
+        optimizer="muon",
+        muon_momentum=0.95,
+        muon_use_nesterov=True,
+        muon_extra_scale_factor=0.2,
+        muon_coefficient_type="simple",
         lr=1e-2,
         min_lr=1e-2,
         weight_decay=0.1,

@@ -88,11 +88,14 @@ MAX_THREADS = 150  # a pooled process retires past this many threads (see _reset
 def _reset_process_state() -> bool:
     """Undo what a task may have set up; return whether this process should retire.
 
-    megatron's groups are kept for the next task of the same layout (groups.py). Groups that
+    megatron's groups are kept for the next task of the same layout (groups.py); the
+    attention-backend variables megatron-core's GPTModel exports are cleared. Groups that
     are replaced leave their gloo threads behind (each wakes every 10 ms to poll), so a
     process that has gathered too many retires and the pool starts afresh."""
     gc.collect()
     torch.use_deterministic_algorithms(False)
+    for name in ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN"):  # GPTModel sets these per backend
+        os.environ.pop(name, None)
     return len(os.listdir("/proc/self/task")) > MAX_THREADS if os.path.isdir("/proc/self/task") else False
 
 

@@ -1,10 +1,14 @@
-"""What the training loop prints, in Megatron-LM's formats, and the loss curve."""
+"""What training prints and records, in Megatron-LM's formats (training_log and
+evaluate_and_print_results in megatron/training/training.py at core_v0.16.1): the iteration
+line and validation lines from the last rank, TensorBoard and W&B scalars under Megatron's
+tags, and our loss history with its PNG."""
 
 from __future__ import annotations
 
 import datetime
 import math
 
+import torch
 import torch.distributed as dist
 
 from ..groups import group_rank
@@ -15,38 +19,78 @@ def print_rank0(*args) -> None:
         print(*args, flush=True)
 
 
-def log_iteration(args, iteration, elapsed_ms, lr, loss, loss_scale, grad_norm, skipped, nans, step_ms) -> None:
-    tokens_per_s = args.global_batch_size * args.seq_length / (elapsed_ms / 1000)
+def print_rank_last(*args) -> None:
+    """Megatron-LM prints training logs from the last rank (it holds the last pipeline stage)."""
+    if dist.get_rank() == dist.get_world_size() - 1:
+        print(*args, flush=True)
+
+
+def print_datetime(string: str) -> None:
+    """Megatron-LM's print_datetime: a barrier, then rank 0 prints ``[string] datetime: ...``."""
+    dist.barrier()
+    print_rank0(f"[{string}] datetime: {datetime.datetime.now():%Y-%m-%d %H:%M:%S.%f} ")
+
+
+def flops_per_iteration(args, batch_size: int, vocab_size: int) -> float:
+    """Model FLOPs of one iteration (forward and backward = 3 x forward, 2 per multiply-add), as
+    Megatron-LM counts a dense GPT: QKV and output projections, causal attention scores, MLP and logits."""
+    q = args.kv_channels * args.num_attention_heads
+    kv = args.kv_channels * (args.num_query_groups if args.group_query_attention else args.num_attention_heads)
+    attention = args.hidden_size * (q + 2 * kv) + q * args.seq_length + q * args.hidden_size
+    mlp = args.hidden_size * args.ffn_hidden_size * (3 if args.swiglu else 2)
+    per_token = 3 * 2 * (args.num_layers * (attention + mlp) + args.hidden_size * vocab_size)
+    return batch_size * args.seq_length * per_token
+
+
+def iteration_line(
+    args,
+    it,
+    train_iters,
+    consumed,
+    elapsed_ms,
+    lr,
+    gbs,
+    loss,
+    loss_scale,
+    grad_norm,
+    zeros,
+    params_norm,
+    skipped,
+    nans,
+    extra,
+) -> str:
     line = (
-        f" [{datetime.datetime.now():%Y-%m-%d %H:%M:%S}] iteration {iteration:8d}/{args.train_iters:8d} |"
-        f" consumed samples: {iteration * args.global_batch_size:12d} |"
-        f" elapsed time per iteration (ms): {elapsed_ms:.1f} |"
-        f" learning rate: {lr:.6E} | global batch size: {args.global_batch_size:5d} |"
-        f" lm loss: {loss:.6E} | loss scale: {loss_scale:.1f} |"
+        f" [{datetime.datetime.now():%Y-%m-%d %H:%M:%S.%f}] iteration {it:8d}/{train_iters:8d} |"
+        f" consumed samples: {consumed:12d} | elapsed time per iteration (ms): {elapsed_ms:.1f} |"
     )
+    if extra.get("tflops") is not None:
+        line += f" throughput per GPU (TFLOP/s/GPU): {extra['tflops']:.1f} |"
+    line += f" learning rate: {lr:.6E} | global batch size: {gbs:5d} |"
+    if loss is not None and loss > 0.0:
+        line += f" lm loss: {loss:.6E} |"
+    line += f" loss scale: {loss_scale:.1f} |"
     if grad_norm is not None:
         line += f" grad norm: {grad_norm:.3f} |"
-    line += (
-        f" number of skipped iterations: {skipped:3d} | number of nan iterations: {nans:3d} |"
-        f" optimizer step time (ms): {step_ms:.1f} | tokens per second: {tokens_per_s:.1f} |"
-    )
-    print_rank0(line)
+    if zeros is not None:
+        line += f" num zeros: {zeros} |"
+    if params_norm is not None:
+        line += f" params norm: {params_norm:.3f} |"
+    line += f" number of skipped iterations: {skipped:3d} | number of nan iterations: {nans:3d} |"
+    # Ours, after Megatron-LM's fields: the slowest rank's optimizer step, and tokens per second.
+    line += f" optimizer step time (ms): {extra['step_ms']:.1f} | tokens per second: {extra['tokens_per_s']:.1f} |"
+    return line
 
 
-def log_validation(iteration: int, loss: float, label: str = "validation") -> None:
-    text = (
-        f" {label} loss at iteration {iteration} | lm loss value: {loss:.6E} |"
-        f" lm loss PPL: {math.exp(min(20.0, loss)):.6E} | "
-    )
-    print_rank0("-" * len(text) + "\n" + text + "\n" + "-" * len(text))
+def validation_lines(prefix: str, loss: float) -> str:
+    text = f" validation loss at {prefix} | lm loss value: {loss:.6E} | lm loss PPL: {math.exp(min(20, loss)):.6E} | "
+    return "\n".join(["-" * (len(text) + 1), text, "-" * (len(text) + 1)])
 
 
 def print_stage_plans(chunks, groups) -> None:
-    """Rank 0 prints the owner plan of every pipeline stage and virtual stage (from its
-    first TP/DP rank)."""
+    """Rank 0 prints the owner plan of every pipeline stage and virtual stage (from its first TP/DP rank)."""
     first_of_stage = group_rank(groups.tp) == 0 and group_rank(groups.dp) == 0
     stage = group_rank(groups.pp)
-    mine = [(stage, v, c.plan.report()) for v, c in enumerate(chunks)] if first_of_stage else []
+    mine = [(stage, v, c.plan.report()) for v, c in enumerate(chunks) if hasattr(c, "plan")] if first_of_stage else []
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     for stage, virtual, report in sorted(r for rank_reports in everyone for r in rank_reports):
@@ -54,7 +98,73 @@ def print_stage_plans(chunks, groups) -> None:
         print_rank0(f"> {label}: " + report)
 
 
-def plot_loss_curve(history: dict[str, list], path: str) -> None:
+def memory_stats() -> dict:
+    """Megatron's mem-* scalars: the CUDA allocator's, or on a CPU the process's resident memory."""
+    if torch.cuda.is_available():
+        s = torch.cuda.memory_stats()
+        return {
+            "mem-reserved-bytes": s["reserved_bytes.all.current"],
+            "mem-allocated-bytes": s["allocated_bytes.all.current"],
+            "mem-max-allocated-bytes": s["allocated_bytes.all.peak"],
+            "mem-allocated-count": s["allocation.all.current"],
+        }
+    import resource
+
+    import psutil
+
+    rss = psutil.Process().memory_info().rss
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return {"mem-reserved-bytes": rss, "mem-allocated-bytes": rss, "mem-max-allocated-bytes": peak}
+
+
+class Writers:
+    """TensorBoard (--tensorboard-dir) and W&B (--wandb-project) on the last rank, as Megatron-LM."""
+
+    def __init__(self, args):
+        self.tb = self.wandb = None
+        if dist.get_rank() != dist.get_world_size() - 1:
+            return
+        if args.tensorboard_dir:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self.tb = SummaryWriter(log_dir=args.tensorboard_dir, max_queue=args.tensorboard_queue_size)
+            except ImportError:
+                print(
+                    "> WARNING: TensorBoard writing requested but is not available (pip install tensorboard), "
+                    "no TensorBoard logs will be written.",
+                    flush=True,
+                )
+        if args.wandb_project:
+            import wandb
+
+            wandb.init(
+                project=args.wandb_project,
+                name=args.wandb_exp_name,
+                entity=args.wandb_entity,
+                dir=args.wandb_save_dir or args.tensorboard_dir,
+                config=vars(args) | {"explicit": None},
+            )
+            self.wandb = wandb
+
+    def scalars(self, values: dict, iteration: int, samples: int | None = None) -> None:
+        """Each tag at ``iteration`` (and ``tag vs samples`` at ``samples``, as Megatron writes them)."""
+        if self.tb is not None:
+            for tag, value in values.items():
+                self.tb.add_scalar(tag, value, iteration)
+                if samples is not None and not tag.startswith("mem-"):
+                    self.tb.add_scalar(f"{tag} vs samples", value, samples)
+        if self.wandb is not None:
+            self.wandb.log(dict(values), step=iteration)
+
+    def close(self) -> None:
+        if self.tb is not None:
+            self.tb.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+def plot_loss_curve(history: dict, path: str) -> None:
     """Training and validation loss against iteration, as a PNG."""
     import matplotlib
 

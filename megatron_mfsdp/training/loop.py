@@ -1,59 +1,74 @@
-"""The pretraining loop: set-up, training iterations, evaluation, checkpoints and the
-loss curve (log lines in logging.py)."""
+"""The pretraining job: set-up, the training loop, evaluation, checkpoints and exit conditions,
+in Megatron-LM's order (megatron/training/training.py: pretrain and train at core_v0.16.1)."""
 
 from __future__ import annotations
 
 import datetime
 import json
-import math
 import os
 import time
-from functools import partial
 
 import torch
 import torch.distributed as dist
 
 from ..groups import group_rank, group_size
-from .logging import log_iteration, log_validation, plot_loss_curve, print_rank0, print_stage_plans
+from . import control, logging, schedule, steps
 
 
 def initialize_distributed(args) -> bool:
-    """torchrun's environment, or a single process when launched plainly. Returns whether
-    this call created the process group (a caller that made its own keeps it)."""
-    if dist.is_initialized():
-        _initialize_megatron(args)
-        return False
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29500")
-    os.environ.setdefault("RANK", "0")
-    os.environ.setdefault("WORLD_SIZE", "1")
-    if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
-    dist.init_process_group(args.distributed_backend, timeout=datetime.timedelta(minutes=10))
-    _initialize_megatron(args)
-    return True
-
-
-def _initialize_megatron(args) -> None:
+    """torchrun's environment, or a single process when launched plainly. Returns whether this call
+    created the process group (a caller that made its own keeps it)."""
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29500")
+        os.environ.setdefault("RANK", "0")
+        os.environ.setdefault("WORLD_SIZE", "1")
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+        dist.init_process_group(
+            args.distributed_backend, timeout=datetime.timedelta(minutes=args.distributed_timeout_minutes)
+        )
+        owns = True
+    else:
+        owns = False
+    control.check_ranks_agree(args)
     from ..groups import initialize_model_parallel
 
     initialize_model_parallel(
-        args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.virtual_pipeline_model_parallel_size
+        args.tensor_model_parallel_size,
+        args.pipeline_model_parallel_size,
+        args.virtual_pipeline_model_parallel_size,
+        order=args.parallel_order,
+        create_gloo_process_groups=args.enable_gloo_process_groups,
     )
     if args.deterministic_mode:
         torch.use_deterministic_algorithms(True)
+    return owns
+
+
+def build_run_tokenizer(args):
+    """Megatron-LM's training tokenizer for the --tokenizer-* flags (data/tokenizers.py)."""
+    from ..data.datasets import build_tokenizer
+
+    return build_tokenizer(
+        args.tokenizer_type,
+        args.tokenizer_model,
+        args.vocab_size,
+        vocab_file=args.vocab_file,
+        merge_file=args.merge_file,
+        vocab_extra_ids=args.vocab_extra_ids,
+        tokenizer_special_tokens=args.tokenizer_special_tokens,
+        tiktoken_pattern=args.tiktoken_pattern,
+        tiktoken_num_special_tokens=args.tiktoken_num_special_tokens,
+        trust_remote_code=args.trust_remote_code,
+    )
 
 
 def prepare_data(args):
-    """Tokenizer and (train, valid, test) datasets; builds the embedded default once."""
-    from ..data.datasets import (
-        build_tokenizer,
-        build_train_valid_test_datasets,
-        padded_vocab_size,
-        train_valid_test_num_samples,
-    )
+    """Tokenizer, padded vocabulary and (train, valid, test) datasets; builds the embedded default once."""
+    from ..data.datasets import build_train_valid_test_datasets, padded_vocab_size
 
     if args.use_default_data:
         from ..data.corpus import prepare_default_data
@@ -61,234 +76,273 @@ def prepare_data(args):
         default = prepare_default_data(args.data_cache_path, progress=dist.get_rank() == 0)
         args.data_path = [str(default["data_prefix"])]
         args.tokenizer_model = str(default["tokenizer_model"])
-    tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model, args.vocab_size)
-    # Padded by --make-vocab-size-divisible-by alone (a multiple of the TP size, checked),
-    # not times the TP size as Megatron-LM does: the same vocabulary at every layout.
-    vocab = padded_vocab_size(tokenizer.vocab_size, args.make_vocab_size_divisible_by, 1)
-    num_samples = train_valid_test_num_samples(
-        args.train_iters, args.global_batch_size, args.eval_interval, args.eval_iters
+        args.split = args.split or "969, 30, 1"
+    tokenizer = build_run_tokenizer(args)
+    tp = 1 if args.mfsdp_vocab_padding_independent_of_tp else args.tensor_model_parallel_size
+    args.padded_vocab_size = padded_vocab_size(tokenizer.vocab_size, args.make_vocab_size_divisible_by, tp)
+    logging.print_rank0(
+        f" > padded vocab (size: {tokenizer.vocab_size}) with "
+        f"{args.padded_vocab_size - tokenizer.vocab_size} dummy tokens (new size: {args.padded_vocab_size})"
     )
+    train = args.train_samples or args.train_iters * args.global_batch_size
+    evals = (args.train_iters // args.eval_interval + 1) * args.eval_iters
+    per_split = [args.train_data_path, args.valid_data_path, args.test_data_path]
     datasets = build_train_valid_test_datasets(
-        num_samples,
+        [train, evals * args.global_batch_size, args.eval_iters * args.global_batch_size],
         args.seq_length,
         tokenizer=tokenizer,
         data_prefix=None if args.mock_data else args.data_path,
+        per_split_prefixes=per_split if any(per_split) else None,
         split=args.split,
         seed=args.seed,
         mock=args.mock_data,
         data_cache_path=args.data_cache_path,
+        mmap_bin_files=args.mmap_bin_files,
+        create_attention_mask=args.create_attention_mask_in_dataloader,
+        reset_position_ids=args.reset_position_ids,
+        reset_attention_mask=args.reset_attention_mask,
+        eod_mask_loss=args.eod_mask_loss,
+        num_dataset_builder_threads=args.num_dataset_builder_threads,
     )
-    return tokenizer, vocab, datasets
-
-
-def _loss_func(loss_mask: torch.Tensor, output_tensor: torch.Tensor):
-    """Mean lm loss over the micro-batch's unmasked tokens (megatron's 2-tuple form:
-    the schedule divides by the number of micro-batches)."""
-    mask = loss_mask.float()
-    loss = (output_tensor.float() * mask).sum() / mask.sum().clamp(min=1)
-    return loss, {"lm loss": loss.detach().clone()}  # the schedule divides `loss` in place
-
-
-def _forward_step(data_iterator, model):
-    batch = next(data_iterator)
-    device = model.device
-    output = model(
-        batch["tokens"].to(device), batch["position_ids"].to(device), None, labels=batch["labels"].to(device)
-    )
-    return output, partial(_loss_func, batch["loss_mask"].to(device))
-
-
-def _mean_loss(loss_dicts, groups, device) -> float:
-    """Mean lm loss of the step, from the last pipeline stage, averaged over DP."""
-    value = sum(d["lm loss"].item() for d in loss_dicts) / max(1, len(loss_dicts))
-    t = torch.tensor([value], dtype=torch.float64, device=device)
-    if group_size(groups.pp) > 1:
-        if group_rank(groups.pp) != group_size(groups.pp) - 1:
-            t.zero_()
-        dist.all_reduce(t, group=groups.pp)
-    dist.all_reduce(t, group=groups.dp)
-    return t.item() / group_size(groups.dp)
-
-
-def _data_iterators(args, run, dataset, iteration: int):
-    """One iterator over the step's micro-batches per model chunk (virtual stage)."""
-    from ..data.datasets import get_microbatch
-
-    rank, size = group_rank(run.groups.dp), group_size(run.groups.dp)
-
-    def batches():
-        for k in range(args.num_microbatches):
-            yield get_microbatch(
-                dataset, iteration, k, rank, size, args.micro_batch_size, args.global_batch_size, wrap=True
-            )
-
-    iterators = [batches() for _ in run.chunks]
-    return iterators if len(iterators) > 1 else iterators[0]
+    return tokenizer, datasets
 
 
 class _Run:
-    """What one job holds: groups, model chunks, optimizer, scheduler."""
+    """What one job holds."""
 
-    def __init__(self, groups, chunks, optimizer, scheduler, owns_process_group: bool = True):
+    def __init__(self, args, groups, chunks, optimizer, scheduler, owns_process_group: bool):
         self.groups, self.chunks, self.optimizer, self.scheduler = groups, chunks, optimizer, scheduler
         self.device = chunks[0].device
         self.owns_process_group = owns_process_group
+        self.dp_rank, self.dp_size = group_rank(groups.dp), group_size(groups.dp)
+        self.train = self.valid = self.test = None
+        self.consumed_train = self.consumed_valid = 0
+
+    def iterators(self, args, dataset, start: int):
+        from .batches import StepIterators
+
+        return StepIterators(args, dataset, start, self.dp_rank, self.dp_size, len(self.chunks)) if dataset else None
 
 
-def _forward_backward(args, run, dataset, iteration: int, forward_only: bool = False):
-    from ..runtime.pipeline import forward_backward
+def _set_up(args):
+    from .setup import backend, build_model_and_optimizer, configure_schedule
 
-    return forward_backward(
-        _forward_step,
-        _data_iterators(args, run, dataset, iteration),
-        run.chunks,
-        args.num_microbatches,
-        args.seq_length,
-        args.micro_batch_size,
-        forward_only,
+    start = time.time()
+    owns = initialize_distributed(args)
+    for notice in args.notices:
+        logging.print_rank0(f"> notice: {notice}")
+    schedule.init_microbatches(args)
+    schedule.update_train_iters(args)
+    tokenizer, datasets = prepare_data(args)
+    _, groups, chunks, optimizer, scheduler = build_model_and_optimizer(args, args.padded_vocab_size)
+    configure_schedule(args, chunks, optimizer)
+    mode = backend(args)
+    logging.print_rank0(
+        f"> {mode}: TP={args.tensor_model_parallel_size} x PP={args.pipeline_model_parallel_size} x "
+        f"DP={args.data_parallel_size}, optimizer={args.optimizer}, muon: {args.muon_coefficient_type} x "
+        f"{args.muon_num_ns_steps} Newton-Schulz steps in {args.muon_ns_dtype}, TP mode {args.muon_tp_mode}, "
+        f"micro-batches={args.num_microbatches}, padded vocab={args.padded_vocab_size}"
     )
+    logging.print_stage_plans(chunks, groups)
+    run = _Run(args, groups, chunks, optimizer, scheduler, owns)
+    return run, datasets, start
 
 
-def train_step(args, run, dataset, iteration: int):
-    """One global batch through megatron-core's schedule, then the optimizer step."""
-    run.optimizer.zero_grad()
-    loss_dicts = _forward_backward(args, run, dataset, iteration)
-    start = time.perf_counter()
-    success, grad_norm, _ = run.optimizer.step()
-    step_ms = (time.perf_counter() - start) * 1000
-    return _mean_loss(loss_dicts, run.groups, run.device), success, grad_norm, step_ms
+def _maybe_load(args, run) -> int:
+    from ..checkpoint.local import load_checkpoint
 
-
-@torch.no_grad()
-def evaluate(args, run, dataset, iteration: int) -> float:
-    for chunk in run.chunks:
-        chunk.eval()
-    losses = [
-        _mean_loss(_forward_backward(args, run, dataset, iteration * args.eval_iters + i, True), run.groups, run.device)
-        for i in range(args.eval_iters)
-    ]
-    for chunk in run.chunks:
-        chunk.train()
-    return sum(losses) / len(losses)
+    if not args.load:
+        return 0
+    iteration = load_checkpoint(args.load, run.chunks, run.optimizer, run.scheduler)
+    if iteration is None:
+        if args.exit_on_missing_checkpoint:
+            raise SystemExit(f"--load {args.load}: no checkpoint found and --exit-on-missing-checkpoint is set")
+        logging.print_rank0(f"> no checkpoint found in {args.load}, starting from scratch")
+        return 0
+    logging.print_rank0(f"> loaded checkpoint from {args.load} at iteration {iteration}")
+    return iteration
 
 
 class _Interval:
     """Sums over one logging interval (Megatron-LM resets its counts per interval)."""
 
     def __init__(self):
-        self.loss = self.step_ms = 0.0
-        self.count = self.skipped = self.nans = 0
+        self.loss = self.step_s = 0.0
+        self.advanced = self.skipped = self.nans = 0
         self.start = time.perf_counter()
+        self.paused = 0.0
 
-    def add(self, loss: float, success: bool, step_ms: float) -> None:
-        self.loss += loss
-        self.step_ms += step_ms
-        self.count += 1
-        self.skipped += 0 if success else 1
-        self.nans += 0 if math.isfinite(loss) else 1
+    def add(self, loss: float, success: bool, step_s: float) -> None:
+        self.step_s += step_s
+        if success:
+            self.advanced += 1
+            self.loss += loss
+        else:
+            self.skipped += 1
+            self.nans += 0 if loss == loss and abs(loss) != float("inf") else 1
+
+    def elapsed_s(self) -> float:
+        return time.perf_counter() - self.start - self.paused
 
 
-def _set_up(args):
-    from ..runtime.pipeline import configure_schedule
-    from .setup import build_model_and_optimizer
-
-    owns_process_group = initialize_distributed(args)
-    tokenizer, vocab, datasets = prepare_data(args)
-    _, groups, chunks, optimizer, scheduler = build_model_and_optimizer(args, vocab)
-    configure_schedule(chunks, optimizer)
-    replicas = args.mfsdp_replicate_size if args.use_matrix_fsdp else args.data_parallel_size
-    print_rank0(
-        f"> MatrixFSDP: {'owner-sharded ZeRO-3' if args.use_matrix_fsdp else 'plain data parallelism'}, "
-        f"TP={args.tensor_model_parallel_size} x PP={args.pipeline_model_parallel_size} x "
-        f"DP={args.data_parallel_size} (replicas={replicas}), "
-        f"optimizer={args.optimizer}, muon TP mode={args.muon_tp_mode}, "
-        f"micro-batches={args.num_microbatches}, padded vocab={vocab}"
+def _log(args, run, writers, timers, iteration: int, interval: _Interval, gbs: int, stats) -> None:
+    grad_norm, zeros = stats
+    dist.barrier()  # the slowest rank decides the elapsed time, as Megatron-LM's barrier'd timer
+    count = interval.advanced + interval.skipped
+    elapsed = interval.elapsed_s() / count
+    step = torch.tensor([interval.step_s / count], dtype=torch.float64, device=run.device)
+    dist.all_reduce(step, op=dist.ReduceOp.MAX)
+    lr = run.optimizer.param_groups[0]["lr"]
+    loss = interval.loss / max(1, interval.advanced)
+    params_norm = steps.params_norm(run) if args.log_params_norm else None
+    tflops = (
+        logging.flops_per_iteration(args, gbs, args.padded_vocab_size) / elapsed / 1e12 / args.world_size
+        if args.log_throughput
+        else None
     )
-    print_stage_plans(chunks, groups)
-    return _Run(groups, chunks, optimizer, scheduler, owns_process_group), datasets
+    extra = dict(tflops=tflops, step_ms=step.item() * 1000, tokens_per_s=gbs * args.seq_length / elapsed)
+    logging.print_rank_last(
+        logging.iteration_line(
+            args,
+            iteration,
+            args.train_iters,
+            run.consumed_train,
+            elapsed * 1000,
+            lr,
+            gbs,
+            loss,
+            run.optimizer.get_loss_scale().item(),
+            grad_norm,
+            zeros,
+            params_norm,
+            interval.skipped,
+            interval.nans,
+            extra,
+        )
+    )
+    if args.timing_log_level >= 1:
+        from ..compat.cpu import cuda_on_cpu
+
+        with cuda_on_cpu():
+            timers.log(["forward-backward", "optimizer"], normalizer=count)
+    if args.log_timers_to_tensorboard:
+        writers.scalars({"iteration-time": elapsed}, iteration)
+    if args.log_memory_to_tensorboard:
+        writers.scalars(logging.memory_stats(), iteration)
 
 
-def _open_tensorboard(args):
-    if not args.tensorboard_dir or dist.get_rank() != 0:
-        return None
-    try:
-        from torch.utils.tensorboard import SummaryWriter
+def _record(args, run, writers, iteration: int, loss: float, gbs: int, grad_norm, zeros) -> None:
+    if iteration % args.tensorboard_log_interval:
+        return
+    values = {"learning-rate": run.optimizer.param_groups[0]["lr"], "batch-size": gbs, "lm loss": loss}
+    if args.log_loss_scale_to_tensorboard:
+        values["loss-scale"] = run.optimizer.get_loss_scale().item()
+    if args.log_world_size_to_tensorboard:
+        values["world-size"] = args.world_size
+    if grad_norm is not None:
+        values["grad-norm"] = grad_norm
+    if zeros is not None:
+        values["num-zeros"] = zeros
+    writers.scalars(values, iteration, run.consumed_train)
 
-        return SummaryWriter(args.tensorboard_dir)
-    except ImportError:
-        print_rank0("> --tensorboard-dir given but tensorboard is not installed; skipping TensorBoard")
-        return None
+
+def _evaluate(args, run, writers, iteration: int, prefix: str, source, history=None) -> None:
+    if source is None or not args.eval_iters:
+        return
+    gbs, num_micro = schedule.current_batch(run.consumed_train)
+    loss = steps.evaluate(args, run, source, num_micro)
+    if source is run.valid:
+        run.consumed_valid += args.eval_iters * gbs
+    logging.print_rank_last(logging.validation_lines(prefix, loss))
+    if history is not None:
+        history["valid"].append((iteration, loss))
+    values = {"lm loss validation": loss}
+    if args.log_validation_ppl_to_tensorboard:
+        values["lm loss validation ppl"] = min(float("inf"), 2.718281828459045 ** min(20.0, loss))
+    writers.scalars(values, iteration, run.consumed_train)
 
 
-def _train(args, run, datasets, start_iteration: int, writer) -> dict[str, list]:
+def _save(args, run, iteration: int, interval: _Interval) -> None:
     from ..checkpoint.local import save_checkpoint
 
-    train_ds, valid_ds, _ = datasets
+    paused = time.perf_counter()
+    save_checkpoint(args.save, iteration, run.chunks, run.optimizer, run.scheduler, args)
+    interval.paused += time.perf_counter() - paused
+
+
+def _train(args, run, start_iteration: int, writers, start_time: float) -> dict:
+    from megatron.core.timers import Timers
+
+    timers = Timers(args.timing_log_level, args.timing_log_option)
     history = {"train": [], "valid": []}
-    if args.eval_interval and start_iteration == 0:
-        history["valid"].append((0, evaluate(args, run, valid_ds, 0)))
-        log_validation(0, history["valid"][-1][1])
+    exits, profiler = control.ExitControl(args, start_time), control.Profiler(args)
+    control.manual_gc_start(args)
     interval = _Interval()
-    for iteration in range(start_iteration + 1, args.train_iters + 1):
-        loss, success, grad_norm, step_ms = train_step(args, run, train_ds, iteration - 1)
-        run.scheduler.step(increment=args.global_batch_size)
+    iteration = start_iteration
+    while iteration < args.train_iters:
+        profiler.step(iteration)
+        gbs, num_micro = schedule.current_batch(run.consumed_train)
+        iteration += 1
+        loss, success, grad_norm, zeros, step_s = steps.train_step(args, run, iteration, num_micro)
+        run.scheduler.step(increment=gbs)
+        run.consumed_train += gbs
         history["train"].append((iteration, loss))
-        interval.add(loss, success, step_ms)
-        if writer is not None:
-            writer.add_scalar("lm loss", loss, iteration)
-        if iteration % args.log_interval == 0 or iteration == args.train_iters:
-            elapsed = (time.perf_counter() - interval.start) * 1000 / interval.count
-            log_iteration(
-                args,
-                iteration,
-                elapsed,
-                run.optimizer.param_groups[0]["lr"],
-                interval.loss / interval.count,
-                run.optimizer.get_loss_scale().item(),
-                grad_norm,
-                interval.skipped,
-                interval.nans,
-                interval.step_ms / interval.count,
-            )
+        interval.add(loss, success, step_s)
+        _record(args, run, writers, iteration, loss, gbs, grad_norm, zeros)
+        if iteration % args.log_interval == 0:
+            _log(args, run, writers, timers, iteration, interval, gbs, (grad_norm, zeros))
             interval = _Interval()
-        if args.eval_interval and (iteration % args.eval_interval == 0 or iteration == args.train_iters):
-            valid = evaluate(args, run, valid_ds, iteration // args.eval_interval)
-            history["valid"].append((iteration, valid))
-            log_validation(iteration, valid)
-            if writer is not None:
-                writer.add_scalar("validation lm loss", valid, iteration)
-        if args.save and args.save_interval and iteration % args.save_interval == 0:
-            save_checkpoint(args.save, iteration, run.chunks, run.optimizer, run.scheduler, args)
-    if args.save and (not args.save_interval or args.train_iters % args.save_interval):
-        save_checkpoint(args.save, args.train_iters, run.chunks, run.optimizer, run.scheduler, args)
+        if args.eval_interval and iteration % args.eval_interval == 0:
+            paused = time.perf_counter()
+            _evaluate(args, run, writers, iteration, f"iteration {iteration}", run.valid, history)
+            interval.paused += time.perf_counter() - paused
+        control.manual_gc_step(args, iteration)
+        saved = args.save and iteration % args.save_interval == 0
+        if saved:
+            _save(args, run, iteration, interval)
+        reason = exits.reason(iteration, run.device)
+        if reason is not None:
+            if args.save and not saved:
+                _save(args, run, iteration, interval)
+            logging.print_datetime(reason)
+            break
+    profiler.stop()
+    if args.save and iteration > start_iteration and iteration % args.save_interval:
+        _save(args, run, iteration, interval)
+    history["iteration"] = iteration
     return history
 
 
 def _write_history(args, history) -> None:
-    if dist.get_rank() != 0:
+    if dist.get_rank() != 0 or not args.output_dir:
         return
     os.makedirs(args.output_dir, exist_ok=True)
     with open(os.path.join(args.output_dir, "loss_history.json"), "w") as f:
         json.dump(history, f)
     if history["train"]:
-        plot_loss_curve(history, os.path.join(args.output_dir, "loss_curve.png"))
-        print_rank0(f"> loss curve written to {os.path.join(args.output_dir, 'loss_curve.png')}")
+        path = os.path.join(args.output_dir, "loss_curve.png")
+        logging.plot_loss_curve(history, path)
+        logging.print_rank0(f"> loss curve written to {path}")
 
 
-def pretrain(args) -> dict[str, list]:
+def pretrain(args) -> dict:
     """Run the whole job; returns the loss history (rank 0 also writes it to --output-dir)."""
-    from ..checkpoint.local import load_checkpoint
-
-    run, datasets = _set_up(args)
-    start_iteration = 0
-    if args.load:
-        start_iteration = load_checkpoint(args.load, run.chunks, run.optimizer, run.scheduler) or 0
-        print_rank0(f"> loaded checkpoint at iteration {start_iteration} from {args.load}")
-    writer = _open_tensorboard(args)
-    history = _train(args, run, datasets, start_iteration, writer)
+    run, (train_ds, valid_ds, test_ds), start_time = _set_up(args)
+    start_iteration = _maybe_load(args, run)
+    run.consumed_train = (
+        start_iteration * args.global_batch_size if args.rampup_batch_size is None else run.consumed_train
+    )
+    run.train = run.iterators(args, train_ds, run.consumed_train)
+    run.valid, run.test = run.iterators(args, valid_ds, run.consumed_valid), run.iterators(args, test_ds, 0)
+    writers = logging.Writers(args)
+    history = {"train": [], "valid": [], "iteration": start_iteration}
+    if not args.skip_train:
+        history = _train(args, run, start_iteration, writers, start_time)
+    iteration = history["iteration"]
+    _evaluate(args, run, writers, iteration, f"iteration {iteration} on validation set", run.valid, history)
+    _evaluate(args, run, writers, iteration, f"iteration {iteration} on test set", run.test)
     _write_history(args, history)
-    if writer is not None:
-        writer.close()
+    writers.close()
     dist.barrier()
     if run.owns_process_group:
         dist.destroy_process_group()

@@ -1,105 +1,89 @@
-"""From parsed flags to megatron-core objects: configs, the process groups, the model,
-the wrapper, the optimizer and the learning-rate scheduler."""
+"""From parsed flags to megatron-core objects: configs, process groups, model chunks, the
+data-parallel wrapper, the optimizer and the learning-rate scheduler.
+
+Three ways to run, chosen by the flags:
+
+- ``--use-matrix-fsdp``: MatrixFSDP (owner-sharded ZeRO-3) and its optimizer;
+- otherwise with --optimizer adam or sgd: megatron-core's DistributedDataParallel and
+  ``get_megatron_optimizer`` (its DistributedOptimizer with --use-distributed-optimizer):
+  Megatron itself, the baseline;
+- otherwise with --optimizer muon: megatron-core's Muon needs the emerging_optimizers package,
+  so MatrixFSDP's Muon runs as plain data parallelism (every rank holds and updates everything).
+"""
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 
 from ..config import MatrixFSDPConfig, MatrixFSDPOptimizerConfig
 from ..groups import ProcessGroups
 
+MATRIX_FSDP, MEGATRON_DDP, REPLICATED = "matrix_fsdp", "megatron_ddp", "replicated"
 
-def optimizer_config(args) -> MatrixFSDPOptimizerConfig:
-    """megatron-core OptimizerConfig fields from the same-named flags, plus ours."""
-    return MatrixFSDPOptimizerConfig(
-        optimizer=args.optimizer,
-        lr=args.lr,
-        min_lr=args.min_lr,
-        weight_decay=args.weight_decay,
-        clip_grad=args.clip_grad,
-        adam_beta1=args.adam_beta1,
-        adam_beta2=args.adam_beta2,
-        adam_eps=args.adam_eps,
-        bf16=args.bf16,
-        fp16=args.fp16,
-        loss_scale=args.loss_scale,
-        initial_loss_scale=args.initial_loss_scale,
-        muon_momentum=args.muon_momentum,
-        muon_use_nesterov=args.muon_nesterov,
-        muon_num_ns_steps=args.muon_ns_steps,
-        muon_coefficients=args.muon_coefficients,
-        muon_ns_dtype=args.muon_ns_dtype,
-        muon_scale_mode=args.muon_scale_mode,
-        muon_extra_scale_factor=args.muon_extra_scale_factor,
-        muon_split_qkv=args.muon_split_qkv,
-        muon_tp_mode=args.muon_tp_mode,
-    )
+
+def backend(args) -> str:
+    if args.use_matrix_fsdp:
+        return MATRIX_FSDP
+    return REPLICATED if args.optimizer == "muon" else MEGATRON_DDP
 
 
 def runtime_config(args) -> MatrixFSDPConfig:
+    # Megatron-LM reduces bf16 gradients in fp32 unless --grad-reduce-in-bf16, fp16 ones in fp16 unless
+    # --accumulate-allreduce-grads-in-fp32 (validate_args); the owner accumulates in fp32 either way.
+    low_precision = args.bf16 or args.fp16
     return MatrixFSDPConfig(
         param_rules=args.param_rules,
         planner=args.mfsdp_planner,
-        optimizer=args.optimizer,
         muon_split_qkv=args.muon_split_qkv,
         verify_collectives=args.mfsdp_verify_collectives,
+        grad_reduce_in_fp32=args.accumulate_allreduce_grads_in_fp32 or not low_precision,
     )
 
 
-def transformer_config(args):
-    from megatron.core.transformer.transformer_config import TransformerConfig
+def _same_named(cls, args, **overrides) -> dict:
+    """Megatron-LM copies every argument named as a config field (training.py, get_model and
+    get_megatron_optimizer_config at core_v0.16.1); so do we."""
+    kw = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)}
+    kw.update(overrides)
+    return kw
+
+
+def optimizer_config(args) -> MatrixFSDPOptimizerConfig:
+    dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
+    return MatrixFSDPOptimizerConfig(**_same_named(MatrixFSDPOptimizerConfig, args, params_dtype=dtype, timers=None))
+
+
+def megatron_optimizer_config(args):
+    from megatron.core.optimizer import OptimizerConfig
 
     dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
-    return TransformerConfig(
-        num_layers=args.num_layers,
-        hidden_size=args.hidden_size,
-        ffn_hidden_size=args.ffn_hidden_size,
-        num_attention_heads=args.num_attention_heads,
-        num_query_groups=args.num_query_groups,
-        hidden_dropout=args.hidden_dropout,
-        attention_dropout=args.attention_dropout,
-        normalization=args.normalization,
-        gated_linear_unit=args.swiglu,
-        activation_func=torch.nn.functional.silu if args.swiglu else torch.nn.functional.gelu,
-        init_method_std=args.init_method_std,
-        use_cpu_initialization=args.use_cpu_initialization or not torch.cuda.is_available(),
-        params_dtype=dtype,
-        pipeline_dtype=dtype,
-        bf16=args.bf16,
-        fp16=args.fp16,
-        tensor_model_parallel_size=args.tensor_model_parallel_size,
-        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
-        virtual_pipeline_model_parallel_size=args.virtual_pipeline_model_parallel_size,
-        sequence_parallel=args.sequence_parallel,
-        bias_activation_fusion=False,
-        bias_dropout_fusion=False,
-        masked_softmax_fusion=False,
-        persist_layer_norm=False,
-        gradient_accumulation_fusion=False,
-        apply_rope_fusion=False,
-        deterministic_mode=args.deterministic_mode,
+    return OptimizerConfig(**_same_named(OptimizerConfig, args, params_dtype=dtype, timers=None))
+
+
+def ddp_config(args):
+    from megatron.core.distributed import DistributedDataParallelConfig
+
+    return DistributedDataParallelConfig(
+        **_same_named(
+            DistributedDataParallelConfig,
+            args,
+            grad_reduce_in_fp32=args.accumulate_allreduce_grads_in_fp32,
+            check_for_nan_in_grad=args.check_for_nan_in_loss_and_grad,
+            average_in_collective=args.ddp_average_in_collective,
+            bucket_size=args.ddp_bucket_size if args.overlap_grad_reduce else None,
+        )
     )
 
 
-def build_model_and_optimizer(args, vocab_size: int):
-    """The process groups, the GPT model chunks (one per virtual pipeline stage) wrapped in
-    MatrixFSDP, their optimizer and the lr scheduler.
-
-    Without --use-matrix-fsdp the same wrapper runs as plain data parallelism (shard
-    groups of one rank, replicated over all DP ranks): every rank holds and updates
-    everything, with the same optimizer math, the baseline to compare with.
-    """
+def build_model_chunks(args, vocab_size: int, config, groups):
+    """The GPT chunks of this rank, one per virtual pipeline stage, with layout-independent weights."""
     from megatron.core import parallel_state
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     from ..models.gpt import build_gpt_model, initialize_by_global_name
-    from ..optim.optimizer import get_megatron_optimizer
-    from ..runtime.wrapper import MatrixFSDP
+    from ..models.gpt.config import gpt_model_kwargs
 
-    config = transformer_config(args)
-    groups = ProcessGroups.from_parallel_state(
-        args.mfsdp_replicate_size if args.use_matrix_fsdp else args.data_parallel_size
-    )
     chunks = []
     for vp in range(args.virtual_pipeline_model_parallel_size or 1):
         vp = vp if args.virtual_pipeline_model_parallel_size else None
@@ -110,9 +94,9 @@ def build_model_and_optimizer(args, vocab_size: int):
             max_sequence_length=args.max_position_embeddings,
             pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
             post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp),
-            position_embedding_type=args.position_embedding_type,
-            share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+            use_transformer_engine=args.transformer_impl == "transformer_engine",
             vp_stage=vp,
+            **gpt_model_kwargs(args),
         )
         if config.use_cpu_initialization:
             # Layout-independent start: every TP x PP x DP run begins from the 1 x 1 x 1 weights.
@@ -121,20 +105,65 @@ def build_model_and_optimizer(args, vocab_size: int):
             )
         if torch.cuda.is_available():
             model.cuda(torch.cuda.current_device())
-        chunks.append(MatrixFSDP(config, runtime_config(args), model, groups))
-    optimizer = get_megatron_optimizer(optimizer_config(args), chunks)
-    gbs = args.global_batch_size
-    scheduler = OptimizerParamScheduler(
-        optimizer,
-        init_lr=0.0,
-        max_lr=args.lr,
-        min_lr=args.min_lr,
-        lr_warmup_steps=args.lr_warmup_iters * gbs,
-        lr_decay_steps=args.lr_decay_iters * gbs,
-        lr_decay_style=args.lr_decay_style,
-        start_wd=args.weight_decay,
-        end_wd=args.weight_decay,
-        wd_incr_steps=args.train_iters * gbs,
-        wd_incr_style="constant",
-    )
-    return config, groups, chunks, optimizer, scheduler
+        chunks.append(model)
+    return chunks
+
+
+def build_model_and_optimizer(args, vocab_size: int):
+    """The process groups, wrapped model chunks, optimizer and lr scheduler of one job."""
+    from ..models.gpt.config import transformer_config_from_args
+    from .schedule import build_scheduler
+
+    config = transformer_config_from_args(args)
+    mode = backend(args)
+    replicate = args.mfsdp_replicate_size if mode == MATRIX_FSDP else args.data_parallel_size
+    groups = ProcessGroups.from_parallel_state(replicate if mode != MEGATRON_DDP else 1)
+    models = build_model_chunks(args, vocab_size, config, groups)
+    if mode == MEGATRON_DDP:
+        chunks, optimizer = _megatron_ddp(args, config, models)
+    else:
+        from ..optim.optimizer import get_megatron_optimizer
+        from ..runtime.wrapper import MatrixFSDP
+
+        chunks = [MatrixFSDP(config, runtime_config(args), model, groups) for model in models]
+        optimizer = get_megatron_optimizer(optimizer_config(args), chunks)
+    return config, groups, chunks, optimizer, build_scheduler(args, optimizer)
+
+
+def _megatron_ddp(args, config, models):
+    """megatron-core's own DDP and optimizer: the baseline is Megatron itself (CPU through compat/)."""
+    from megatron.core.distributed import DistributedDataParallel
+    from megatron.core.optimizer import get_megatron_optimizer
+
+    from ..compat.cpu import cuda_on_cpu
+
+    with cuda_on_cpu():
+        chunks = [
+            DistributedDataParallel(config, ddp_config(args), model, disable_bucketing=i > 0)
+            for i, model in enumerate(models)
+        ]
+        optimizer = get_megatron_optimizer(megatron_optimizer_config(args), chunks)
+    for chunk in chunks:
+        chunk.device = next(chunk.parameters()).device
+    return chunks, optimizer
+
+
+def configure_schedule(args, chunks, optimizer) -> None:
+    """Point the chunks' TransformerConfig at the data-parallel wrapper's hooks, as Megatron-LM's
+    setup does for its DDP (no_sync, grad/param sync, finalize_model_grads, loss scaling)."""
+    if backend(args) != MEGATRON_DDP:
+        from ..runtime.pipeline import configure_schedule as configure_mfsdp
+
+        configure_mfsdp(chunks, optimizer)
+        return
+    from megatron.core.distributed import finalize_model_grads
+
+    config = chunks[0].config
+    one = len(chunks) == 1
+    config.no_sync_func = chunks[0].no_sync if one else [c.no_sync for c in chunks]
+    if args.overlap_grad_reduce and args.align_grad_reduce:
+        config.grad_sync_func = chunks[0].start_grad_sync if one else [c.start_grad_sync for c in chunks]
+    if args.overlap_param_gather and args.align_param_gather:
+        config.param_sync_func = chunks[0].start_param_sync if one else [c.start_param_sync for c in chunks]
+    config.finalize_model_grads_func = finalize_model_grads
+    config.grad_scale_func = optimizer.scale_loss

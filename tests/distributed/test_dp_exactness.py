@@ -26,7 +26,7 @@ def _train_worker(rank, world_size, steps, num_micro, opt_overrides, model_overr
     init_megatron()
     config, model = tiny_gpt(**model_overrides)
     opt_config = optimizer_config(**opt_overrides)
-    ddp = MatrixFSDP(config, MatrixFSDPConfig(optimizer=opt_config.optimizer), model)
+    ddp = MatrixFSDP(config, MatrixFSDPConfig(), model)
     opt = get_megatron_optimizer(opt_config, [ddp])
     step_calls, losses = [], []
     for step in range(1, steps + 1):

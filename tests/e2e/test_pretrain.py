@@ -62,7 +62,7 @@ LAYOUTS = {
 def test_pretrain_every_layout_matches_1x1x1(tmp_path):
     """pretrain_gpt.py's lm loss per iteration at each layout equals the 1 x 1 x 1 run's
     (4 micro-batches of 2 per global batch of 8 at DP=1; 2 or 1 per rank otherwise)."""
-    flags = [*TINY, "--use-matrix-fsdp", "--eval-interval", "0"]
+    flags = [*TINY, "--use-matrix-fsdp", "--eval-iters", "0"]
     reference = losses(pretrain_in_workers(1, *flags, tmp_path=tmp_path)["stdout"])
     assert len(reference) == 5
     for name, (nproc, extra) in LAYOUTS.items():
@@ -74,7 +74,7 @@ def test_pretrain_every_layout_matches_1x1x1(tmp_path):
 
 def test_pretrain_pp2_interleaved_virtual_stages_dp2_matches_1x1x1(tmp_path):
     """Interleaved 1F1B: 4 layers as 2 pipeline ranks x 2 virtual stages of 1 layer."""
-    flags = [*TINY, "--use-matrix-fsdp", "--eval-interval", "0", "--num-layers", "4"]
+    flags = [*TINY, "--use-matrix-fsdp", "--eval-iters", "0", "--num-layers", "4"]
     reference = losses(pretrain_in_workers(1, *flags, tmp_path=tmp_path)["stdout"])
     layout = ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"]
     save = tmp_path / "ckpt"

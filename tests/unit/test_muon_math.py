@@ -53,7 +53,7 @@ def test_step_matches_torch_muon(shape, nesterov, adjust):
             weight_decay=wd,
             momentum=mom,
             nesterov=nesterov,
-            coefficients="jordan",
+            coefficient_type="simple",
             ns_dtype=torch.bfloat16,
             scale_mode=scale_mode,
             extra_scale_factor=extra,
@@ -65,14 +65,14 @@ def test_step_matches_torch_muon(shape, nesterov, adjust):
 
 
 def test_newton_schulz_matches_torch_reference():
-    """Our NS equals torch's private _zeropower_via_newtonschulz (bf16, jordan) bitwise."""
+    """Our NS equals torch's private _zeropower_via_newtonschulz (bf16, "simple") bitwise."""
     from torch.optim._muon import _zeropower_via_newtonschulz
 
     gen = torch.Generator().manual_seed(1)
     for shape in [(64, 16), (16, 64), (33, 33)]:
         g = torch.randn(shape, generator=gen)
         ref = _zeropower_via_newtonschulz(g, (3.4445, -4.7750, 2.0315), 5, 1e-7).float()
-        out = newton_schulz(g, 5, "jordan", torch.bfloat16)
+        out = newton_schulz(g, 5, "simple", torch.bfloat16)
         assert out.dtype == torch.float32 and out.shape == g.shape
         assert torch.equal(out, ref)
 
@@ -80,28 +80,31 @@ def test_newton_schulz_matches_torch_reference():
 @pytest.mark.parametrize("ns_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", [(96, 32), (32, 96)])
 def test_newton_schulz_singular_values(ns_dtype, shape):
-    """Jordan lands in the known ~[0.5, 1.5] band; Polar Express (quintic) is tighter."""
+    """simple (Jordan's constants) lands in the known ~[0.5, 1.5] band; the per-step schedules are tighter."""
     gen = torch.Generator().manual_seed(2)
     g = torch.randn(shape, generator=gen)
     sv_in = _singular_values(g)
     assert sv_in.max() / sv_in.min() > 3  # input far from orthogonal
 
-    sv_j = _singular_values(newton_schulz(g, 5, "jordan", ns_dtype))
+    sv_j = _singular_values(newton_schulz(g, 5, "simple", ns_dtype))
     assert sv_j.min() > 0.5 and sv_j.max() < 1.5
     sv_q = _singular_values(newton_schulz(g, 5, "quintic", ns_dtype))
-    # Measured 5-step band for this input: jordan ~[0.68, 1.04], quintic ~[0.86, 1.14].
-    assert (sv_q - 1).abs().max() < 0.2
+    # Measured bands for this input: simple ~[0.68, 1.05], quintic ~[0.976, 1.035],
+    # polar_express (8 steps) ~[0.997, 1.005], polar_express_nanogpt ~[0.86, 1.14].
+    assert (sv_q - 1).abs().max() < 0.05
     assert (sv_q - 1).abs().max() < (sv_j - 1).abs().max()
+    sv_pe = _singular_values(newton_schulz(g, 8, "polar_express", ns_dtype))
+    assert (sv_pe - 1).abs().max() < 0.01
 
 
 def test_newton_schulz_transpose_path():
     """Tall input is orthogonalized via its transpose: NS(G) == NS(G^T)^T, shape preserved."""
     gen = torch.Generator().manual_seed(3)
     tall = torch.randn(80, 20, generator=gen)
-    out = newton_schulz(tall, 5, "jordan", torch.float32)
+    out = newton_schulz(tall, 5, "simple", torch.float32)
     assert out.shape == (80, 20)
     # Equal up to fp32 matmul rounding (memory layout differs between the two calls).
-    wide = newton_schulz(tall.T.contiguous(), 5, "jordan", torch.float32)
+    wide = newton_schulz(tall.T.contiguous(), 5, "simple", torch.float32)
     torch.testing.assert_close(out, wide.T, rtol=0, atol=1e-5)
     assert not torch.allclose(out, tall / tall.norm(), atol=1e-2)
     # Columns (the small side) are ~orthonormal: O^T O ~ I (within the jordan band).
@@ -117,21 +120,30 @@ def test_newton_schulz_rejects_non_2d():
 
 
 def test_coefficient_schedules():
-    assert ns_coefficients_for("jordan", 7) == [(3.4445, -4.7750, 2.0315)] * 7
-    q = ns_coefficients_for("quintic", 7)
-    assert len(q) == 7 and q[:5] == list(NS_COEFFICIENTS["quintic"])
-    assert q[5] == q[6] == q[4]
-    assert ns_coefficients_for("quintic", 2) == list(NS_COEFFICIENTS["quintic"][:2])
-    # Every Polar Express step is an odd polynomial with p(0)'=a > 1 (inflating small SVs).
-    assert all(a > 1 for a, _, _ in q)
+    """Stretching matches megatron-core's emerging_optimizers: 'repeat' cycles, 'extend' repeats the last."""
+    assert ns_coefficients_for("simple", 7) == [(3.4445, -4.7750, 2.0315)] * 7
+    q = NS_COEFFICIENTS["quintic"].steps
+    assert ns_coefficients_for("quintic", 10) == list(q) * 2
+    with pytest.raises(ValueError, match="multiple of 5"):
+        ns_coefficients_for("quintic", 7)
+    pe = NS_COEFFICIENTS["polar_express"].steps
+    assert len(pe) == 8 and ns_coefficients_for("polar_express", 10) == list(pe) + [pe[-1]] * 2
+    with pytest.raises(ValueError, match="at least 8"):
+        ns_coefficients_for("polar_express", 5)
+    nano = ns_coefficients_for("polar_express_nanogpt", 7)
+    assert nano[5] == nano[6] == nano[4]
+    # Every step is an odd polynomial with p'(0) = a > 1 (inflating small singular values).
+    assert all(a > 1 for name in NS_COEFFICIENTS for a, _, _ in NS_COEFFICIENTS[name].steps)
 
 
 def test_bad_coefficient_name_raises():
-    with pytest.raises(ValueError, match="--muon-coefficients") as err:
+    with pytest.raises(ValueError, match="--muon-coefficient-type") as err:
         ns_coefficients_for("cubic", 5)
-    assert "'cubic'" in str(err.value) and "'jordan'" in str(err.value) and "'quintic'" in str(err.value)
-    with pytest.raises(ValueError, match="--muon-coefficients"):
-        newton_schulz(torch.randn(4, 4), coefficients="bogus")
+    assert "'cubic'" in str(err.value) and all(repr(k) in str(err.value) for k in NS_COEFFICIENTS)
+    with pytest.raises(ValueError, match="--muon-coefficient-type"):
+        newton_schulz(torch.randn(4, 4), coefficient_type="bogus")
+    with pytest.raises(ValueError, match="--muon-num-ns-steps"):
+        ns_coefficients_for("simple", 0)
 
 
 def test_scale_modes():
@@ -153,7 +165,7 @@ def test_spectral_scale_gives_rms_match():
     u = muon_orthogonalized_update(
         g,
         ns_steps=5,
-        coefficients="quintic",
+        coefficient_type="quintic",
         ns_dtype=torch.float32,
         scale_mode="spectral",
         extra_scale_factor=0.2,
@@ -190,7 +202,8 @@ def test_qkv_blockwise_orthogonalization():
     groups, split, cols = 2, (16, 8, 8), 24
     rows = groups * sum(split)
     g = torch.randn(rows, cols, generator=torch.Generator().manual_seed(5))
-    kw = dict(ns_steps=5, coefficients="quintic", ns_dtype=torch.float32, scale_mode="spectral", extra_scale_factor=1.0)
+    kw = dict(ns_steps=5, coefficient_type="quintic", ns_dtype=torch.float32, scale_mode="spectral")
+    kw["extra_scale_factor"] = 1.0
     whole = muon_orthogonalized_update(g, **kw)
     blocked = muon_orthogonalized_update(g, qkv_split_shapes=split, **kw)
     assert blocked.shape == g.shape and blocked.dtype == torch.float32
@@ -223,7 +236,7 @@ def test_step_with_qkv_split_and_weight_decay():
     upd = muon_orthogonalized_update(
         buf,
         ns_steps=5,
-        coefficients="jordan",
+        coefficient_type="simple",
         ns_dtype=torch.float32,
         scale_mode="spectral",
         extra_scale_factor=0.2,

@@ -90,9 +90,9 @@ def test_unknown_planner_policy_is_rejected():
     "field,value,flag",
     [
         ("muon_scale_mode", "frobenius", "--muon-scale-mode"),
-        ("muon_coefficients", "cubic", "--muon-coefficients"),
+        ("muon_coefficient_type", "cubic", "--muon-coefficient-type"),
         ("muon_ns_dtype", "fp8", "--muon-ns-dtype"),
-        ("optimizer", "sgd", "--optimizer"),
+        ("optimizer", "lamb", "--optimizer"),
     ],
 )
 def test_bad_optimizer_settings_name_their_flag(field, value, flag):

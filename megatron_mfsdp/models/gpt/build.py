@@ -21,6 +21,13 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import divide
 
+try:  # Apex's fused norms, when installed, are what megatron-core's local spec uses.
+    import apex  # noqa: F401
+
+    HAVE_APEX_NORM = True
+except ImportError:
+    HAVE_APEX_NORM = False
+
 try:  # Transformer Engine is optional and GPU only.
     import transformer_engine  # noqa: F401
     from megatron.core.models.gpt.gpt_layer_specs import (
@@ -82,41 +89,52 @@ class SDPAttention(MegatronModule):
         return context.permute(2, 0, 1, 3).reshape(seq, batch, self.heads_per_partition * self.head_dim)
 
 
-class SequenceParallelNorm:
-    """megatron-core's torch-norm fallback (``WrappedTorchNorm``) refuses sequence
-    parallelism, although a plain LayerNorm/RMSNorm is all it needs: each TP rank
-    normalizes its part of the sequence, and the weight gradients are summed over TP.
-    This builds the torch norm and marks its parameters ``sequence_parallel`` (the
-    attribute megatron uses, which the MatrixFSDP runtime honours)."""
+class TorchNorm(torch.nn.Module):
+    """LayerNorm or RMSNorm of the local spec where Apex is missing (megatron-core's torch fallback,
+    WrappedTorchNorm, refuses sequence parallelism and zero-centered gamma, which a plain norm
+    supports): each TP rank normalizes its part of the sequence, the weight gradients are summed
+    over TP (parameters marked ``sequence_parallel``, which the runtime honours), and with
+    --apply-layernorm-1p the weight is centered at zero: y = norm(x) * (1 + w) + b."""
 
-    def __new__(cls, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **unused):
-        if config.layernorm_zero_centered_gamma:
-            raise ValueError("zero-centered gamma needs Transformer Engine or Apex norms")
-        norm_cls = torch.nn.RMSNorm if config.normalization == "RMSNorm" else torch.nn.LayerNorm
-        norm = norm_cls(normalized_shape=hidden_size, eps=eps)
-        for param in norm.parameters():
+    def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **unused):
+        super().__init__()
+        self.shape, self.eps = (hidden_size,), eps
+        self.rms = config.normalization == "RMSNorm"
+        self.zero_centered = config.layernorm_zero_centered_gamma
+        init = torch.zeros if self.zero_centered else torch.ones
+        self.weight = torch.nn.Parameter(init(hidden_size))
+        self.bias = None if self.rms else torch.nn.Parameter(torch.zeros(hidden_size))
+        for param in self.parameters():
             param.sequence_parallel = config.sequence_parallel
-        return norm
+
+    def forward(self, x):
+        weight = self.weight + 1 if self.zero_centered else self.weight
+        if self.rms:
+            return F.rms_norm(x, self.shape, weight, self.eps)
+        return F.layer_norm(x, self.shape, weight, self.bias, self.eps)
 
 
 def gpt_layer_spec(config: TransformerConfig, use_transformer_engine: bool | None = None, vp_stage: int | None = None):
-    """megatron-core's GPT spec: the TE layer spec on a GPU when available; else the
-    local spec with SDPA core attention and, for sequence parallelism, norms that
-    support it (as a block spec, since the final norm comes from the block)."""
+    """megatron-core's GPT spec: the TE layer spec on a GPU when available; else the local spec
+    with SDPA core attention and, without Apex, torch norms that support sequence parallelism and
+    zero-centered gamma (as a block spec, since the final norm comes from the block)."""
     if use_transformer_engine is None:
         use_transformer_engine = HAVE_TE
     if use_transformer_engine:
-        return get_gpt_layer_with_transformer_engine_spec()
-    spec = get_gpt_layer_local_spec(normalization=config.normalization)
-    spec.submodules.self_attention.submodules.core_attention = SDPAttention
-    if not config.sequence_parallel:
+        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm)
+    spec = get_gpt_layer_local_spec(normalization=config.normalization, qk_layernorm=config.qk_layernorm)
+    attention = spec.submodules.self_attention.submodules
+    attention.core_attention = SDPAttention
+    if HAVE_APEX_NORM:
         return spec
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
-    spec.submodules.input_layernorm = SequenceParallelNorm
-    spec.submodules.pre_mlp_layernorm = SequenceParallelNorm
+    spec.submodules.input_layernorm = TorchNorm
+    spec.submodules.pre_mlp_layernorm = TorchNorm
+    if config.qk_layernorm:
+        attention.q_layernorm = attention.k_layernorm = TorchNorm
     layers = get_num_layers_to_build(config, vp_stage=vp_stage)
-    return TransformerBlockSubmodules(layer_specs=[spec] * layers, layer_norm=SequenceParallelNorm)
+    return TransformerBlockSubmodules(layer_specs=[spec] * layers, layer_norm=TorchNorm)
 
 
 def build_gpt_model(

@@ -1,0 +1,179 @@
+"""Megatron-LM's model flags: names, dests and defaults as in megatron/training/arguments.py at
+core_v0.16.1 (network size, transformer configuration, initialization, mixed precision and
+FP8). tests/unit/test_arguments.py holds Megatron-LM's defaults and compares."""
+
+from __future__ import annotations
+
+import argparse
+
+from .types import (
+    attention_backend,
+    finite_float,
+    fraction,
+    nonnegative_float,
+    nonnegative_int,
+    positive_float,
+    positive_int,
+    probability,
+)
+
+
+def _add_position_args(g) -> None:
+    g.add_argument(
+        "--position-embedding-type",
+        default="learned_absolute",
+        choices=["learned_absolute", "rope", "mrope", "relative", "none"],
+    )
+    g.add_argument(
+        "--use-rotary-position-embeddings", action="store_true", help="deprecated: --position-embedding-type rope"
+    )
+    g.add_argument("--rotary-base", type=positive_int, default=10000)
+    g.add_argument("--rotary-percent", type=fraction, default=1.0)
+    g.add_argument("--rotary-interleaved", action="store_true")
+    g.add_argument("--rotary-seq-len-interpolation-factor", type=positive_int, default=None)
+    g.add_argument("--use-rope-scaling", action="store_true", help="llama3.x rope scaling")
+    g.add_argument("--rope-scaling-factor", type=positive_float, default=8.0)
+    g.add_argument(
+        "--no-position-embedding",
+        action="store_false",
+        dest="add_position_embedding",
+        help="deprecated: use --position-embedding-type",
+    )
+
+
+def _add_implementation_args(g) -> None:
+    g.add_argument(
+        "--transformer-impl",
+        default="transformer_engine",
+        choices=["local", "transformer_engine", "inference_optimized"],
+        help="transformer_engine needs CUDA and Transformer Engine; elsewhere the local spec runs",
+    )
+    g.add_argument(
+        "--attention-backend",
+        type=attention_backend,
+        default="auto",
+        help="flash, fused, unfused, local or auto (Transformer Engine); the local spec uses PyTorch SDPA",
+    )
+    g.add_argument(
+        "--use-mcore-models",
+        dest="deprecated_use_mcore_models",
+        action="store_true",
+        help="accepted and ignored, as in Megatron-LM: megatron-core models are the only models",
+    )
+
+
+def add_network_size_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("network size")
+    g.add_argument("--num-layers", type=positive_int, default=None)
+    g.add_argument("--hidden-size", type=positive_int, default=None)
+    g.add_argument(
+        "--ffn-hidden-size",
+        type=positive_int,
+        default=None,
+        help="default: 4 x hidden size, or int(8/3 x hidden / 64) x 64 with --swiglu (Megatron-LM's rule)",
+    )
+    g.add_argument("--num-attention-heads", type=positive_int, default=None)
+    g.add_argument("--kv-channels", type=positive_int, default=None, help="default: hidden size / heads")
+    g.add_argument("--group-query-attention", action="store_true")
+    g.add_argument("--num-query-groups", type=positive_int, default=1)
+    g.add_argument("--max-position-embeddings", type=positive_int, default=None)
+    _add_position_args(g)
+    g.add_argument(
+        "--make-vocab-size-divisible-by",
+        type=positive_int,
+        default=128,
+        help="pad the vocabulary to a multiple of this value times the TP size (Megatron-LM's rule)",
+    )
+    g.add_argument("--normalization", default="LayerNorm", choices=["LayerNorm", "RMSNorm"])
+    g.add_argument("--norm-epsilon", dest="layernorm_epsilon", type=positive_float, default=1e-5)
+    g.add_argument(
+        "--apply-layernorm-1p",
+        dest="layernorm_zero_centered_gamma",
+        action="store_true",
+        help="norm weights centered at zero: y = norm(x) * (1 + w) + b",
+    )
+    g.add_argument("--qk-layernorm", action="store_true")
+    g.add_argument("--disable-bias-linear", dest="add_bias_linear", action="store_false")
+    g.add_argument("--add-qkv-bias", action="store_true")
+    g.add_argument("--swiglu", action="store_true")
+    g.add_argument("--openai-gelu", action="store_true", help="tanh-approximated GELU (GPT-2's)")
+    g.add_argument("--squared-relu", action="store_true")
+    g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
+    g.add_argument("--hidden-dropout", type=probability, default=0.1)
+    g.add_argument("--attention-dropout", type=probability, default=0.1)
+    g.add_argument(
+        "--apply-query-key-layer-scaling",
+        action="store_true",
+        help="scale Q.K^T by 1/layer number (implies --attention-softmax-in-fp32)",
+    )
+    g.add_argument("--attention-softmax-in-fp32", action="store_true")
+    g.add_argument("--fp32-residual-connection", action="store_true")
+    _add_implementation_args(g)
+
+
+def add_initialization_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("initialization")
+    g.add_argument("--seed", type=nonnegative_int, default=1234)
+    g.add_argument("--init-method-std", type=positive_float, default=0.02)
+    g.add_argument(
+        "--use-cpu-initialization",
+        action="store_true",
+        default=None,
+        help="always on without CUDA; with it, every layout starts from the 1 x 1 x 1 weights",
+    )
+
+
+def add_fusion_args(p: argparse.ArgumentParser) -> None:
+    """Kernel fusions: honoured where megatron-core supports them on this device, else a notice."""
+    g = p.add_argument_group("fusions")
+    g.add_argument("--no-masked-softmax-fusion", dest="masked_softmax_fusion", action="store_false")
+    g.add_argument("--no-bias-gelu-fusion", dest="bias_gelu_fusion", action="store_false")
+    g.add_argument("--no-bias-swiglu-fusion", dest="bias_swiglu_fusion", action="store_false")
+    g.add_argument("--no-bias-dropout-fusion", dest="bias_dropout_fusion", action="store_false")
+    g.add_argument("--no-rope-fusion", dest="apply_rope_fusion", action="store_false")
+    g.add_argument("--no-persist-layer-norm", action="store_true")
+    g.add_argument("--no-gradient-accumulation-fusion", dest="gradient_accumulation_fusion", action="store_false")
+    g.add_argument("--cross-entropy-loss-fusion", action="store_true")
+    g.add_argument("--cross-entropy-fusion-impl", default="native", choices=["native", "te"])
+    g.add_argument("--disable-jit-fuser", action="store_true", help="run megatron-core's fused functions uncompiled")
+    g.add_argument("--recompute-activations", action="store_true", help="selective recomputation (core attention)")
+    g.add_argument("--recompute-granularity", default=None, choices=["full", "selective"])
+    g.add_argument("--recompute-method", default=None, choices=["uniform", "block"])
+    g.add_argument("--recompute-num-layers", type=positive_int, default=None)
+
+
+def add_mixed_precision_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("mixed precision")
+    g.add_argument("--fp16", action="store_true")
+    g.add_argument("--bf16", action="store_true")
+    g.add_argument("--loss-scale", type=positive_float, default=None, help="static loss scale; default: dynamic")
+    g.add_argument("--initial-loss-scale", type=positive_float, default=2.0**32)
+    g.add_argument("--min-loss-scale", type=positive_float, default=1.0)
+    g.add_argument("--loss-scale-window", type=positive_float, default=1000)
+    g.add_argument("--hysteresis", type=positive_int, default=2)
+    g.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true")
+    g.add_argument("--grad-reduce-in-bf16", action="store_true")
+    g = p.add_argument_group("FP8")
+    g.add_argument("--fp8-format", dest="fp8", default=None, choices=["e4m3", "hybrid"])
+    g.add_argument("--fp8-recipe", default="delayed", choices=["tensorwise", "delayed", "mxfp8", "blockwise"])
+    g.add_argument("--fp8-margin", type=nonnegative_int, default=0)
+    g.add_argument("--fp8-amax-history-len", type=positive_int, default=1)
+    g.add_argument("--fp8-amax-compute-algo", default="most_recent", choices=["most_recent", "max"])
+    g.add_argument("--fp8-param-gather", action="store_true")
+    g.add_argument("--first-last-layers-bf16", action="store_true")
+    g.add_argument("--num-layers-at-start-in-bf16", type=nonnegative_int, default=1)
+    g.add_argument("--num-layers-at-end-in-bf16", type=nonnegative_int, default=1)
+
+
+def add_regularization_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("regularization")
+    g.add_argument("--weight-decay", type=finite_float, default=0.01)
+    g.add_argument("--start-weight-decay", type=finite_float, default=None)
+    g.add_argument("--end-weight-decay", type=finite_float, default=None)
+    g.add_argument("--weight-decay-incr-style", default="constant", choices=["constant", "linear", "cosine"])
+    g.add_argument("--apply-wd-to-qk-layernorm", action="store_true")
+    g.add_argument("--clip-grad", type=nonnegative_float, default=1.0, help="global L2 norm clip; 0 disables")
+    g.add_argument("--adam-beta1", type=probability, default=0.9)
+    g.add_argument("--adam-beta2", type=probability, default=0.999)
+    g.add_argument("--adam-eps", type=positive_float, default=1e-8)
+    g.add_argument("--sgd-momentum", type=probability, default=0.9)

@@ -1,0 +1,152 @@
+"""Muon flags as megatron-core names them (Megatron-LM's defaults), and the flags that are
+ours: MatrixFSDP placement and what megatron has no name for. Choices come from the update
+rule registry and the config dataclasses."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+from .types import finite_float, positive_int, probability
+
+
+def _field(cls, name: str):
+    return {f.name: f for f in dataclasses.fields(cls)}[name]
+
+
+def config_default(cls, name: str):
+    """Our flags' defaults come from the config dataclasses (one source of truth)."""
+    return _field(cls, name).default
+
+
+def config_choices(cls, name: str) -> list:
+    return list(_field(cls, name).metadata["choices"])
+
+
+class _Deprecated(argparse.Action):
+    """An old spelling, kept for one release: sets the new dest and records a notice."""
+
+    def __init__(self, option_strings, dest, new_flag: str, value_map=None, const=None, **kwargs):
+        self.new_flag, self.value_map = new_flag, value_map or {}
+        super().__init__(option_strings, dest, const=const, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        value = self.const if self.nargs == 0 else self.value_map.get(values, values)
+        setattr(namespace, self.dest, value)
+        namespace.deprecations = getattr(namespace, "deprecations", []) + [
+            f"{option_string} is deprecated and will be removed in the next release: {self.new_flag}"
+        ]
+
+
+def add_muon_args(p: argparse.ArgumentParser) -> None:
+    """megatron-core's Muon flags (core_v0.16.1 names; --muon-coefficient-type and --muon-nesterov from HEAD)."""
+    from ...config import MatrixFSDPOptimizerConfig as O
+
+    g = p.add_argument_group("Muon (megatron-core's names and Megatron-LM's defaults)")
+    g.add_argument("--muon-momentum", type=probability, default=0.9)
+    g.add_argument("--muon-no-split-qkv", dest="muon_split_qkv", action="store_false")
+    g.add_argument("--muon-use-nesterov", "--muon-nesterov", dest="muon_use_nesterov", action="store_true")
+    g.add_argument("--muon-scale-mode", default="spectral", choices=config_choices(O, "muon_scale_mode"))
+    g.add_argument(
+        "--muon-fp32-matmul-prec",
+        default="medium",
+        choices=["low", "medium", "high"],
+        help="Newton-Schulz precision: medium/low iterate in bf16, high in fp32 (see --muon-ns-dtype)",
+    )
+    g.add_argument("--muon-coefficient-type", default="quintic", choices=config_choices(O, "muon_coefficient_type"))
+    g.add_argument("--muon-num-ns-steps", type=positive_int, default=5)
+    g.add_argument(
+        "--muon-tp-mode",
+        default="blockwise",
+        choices=config_choices(O, "muon_tp_mode"),
+        help="blockwise: Newton-Schulz per TP shard, no communication (depends on the TP size); "
+        "distributed: Gram matrices all-reduced over TP (exact); duplicated: all-gather (exact)",
+    )
+    g.add_argument("--muon-extra-scale-factor", type=finite_float, default=1.0)
+    g.add_argument(
+        "--muon-ns-dtype",
+        default=None,
+        choices=config_choices(O, "muon_ns_dtype"),
+        help="ours: the Newton-Schulz dtype outright; default from --muon-fp32-matmul-prec when given, "
+        "else bf16 on CUDA and on CPUs with fast bf16 (AMX/AVX512-BF16), fp32 on other CPUs",
+    )
+    _add_deprecated_muon_args(g)
+
+
+def _add_deprecated_muon_args(g) -> None:
+    g.add_argument(
+        "--no-muon-nesterov",
+        dest="muon_use_nesterov",
+        action=_Deprecated,
+        nargs=0,
+        const=False,
+        new_flag="drop it (Nesterov is off unless --muon-use-nesterov is given)",
+        help=argparse.SUPPRESS,
+    )
+    g.add_argument(
+        "--muon-ns-steps",
+        dest="muon_num_ns_steps",
+        action=_Deprecated,
+        type=positive_int,
+        new_flag="use --muon-num-ns-steps",
+        help=argparse.SUPPRESS,
+    )
+    g.add_argument(
+        "--muon-coefficients",
+        dest="muon_coefficient_type",
+        action=_Deprecated,
+        value_map={"jordan": "simple", "quintic": "polar_express_nanogpt"},
+        new_flag="use --muon-coefficient-type (jordan is simple; our old quintic is polar_express_nanogpt)",
+        help=argparse.SUPPRESS,
+    )
+    g.add_argument(
+        "--muon-split-qkv",
+        dest="muon_split_qkv",
+        action=_Deprecated,
+        nargs=0,
+        const=True,
+        new_flag="drop it (QKV is split unless --muon-no-split-qkv is given)",
+        help=argparse.SUPPRESS,
+    )
+
+
+def add_mfsdp_args(p: argparse.ArgumentParser) -> None:
+    from ...config import MatrixFSDPConfig as R
+    from ...optim import registry
+
+    g = p.add_argument_group("MatrixFSDP (ours)")
+    g.add_argument(
+        "--use-matrix-fsdp",
+        action="store_true",
+        help="owner-sharded ZeRO-3: each 2D weight whole on one DP owner. Without it, megatron-core's "
+        "DistributedDataParallel (and DistributedOptimizer with --use-distributed-optimizer) runs",
+    )
+    g.add_argument("--mfsdp-planner", choices=config_choices(R, "planner"), default=config_default(R, "planner"))
+    g.add_argument(
+        "--mfsdp-replicate-size",
+        type=positive_int,
+        default=1,
+        help="hybrid sharding: owners within groups of DP/R ranks, R replicas across them",
+    )
+    g.add_argument(
+        "--mfsdp-param-rule",
+        action="append",
+        default=[],
+        metavar="PATTERN=RULE",
+        help="put parameters whose name matches PATTERN (fnmatch) under update rule RULE "
+        f"({', '.join(registry.rule_names())})",
+    )
+    g.add_argument(
+        "--mfsdp-no-verify-collectives",
+        dest="mfsdp_verify_collectives",
+        action="store_false",
+        default=config_default(R, "verify_collectives"),
+        help="skip the per-collective signature check",
+    )
+    g.add_argument(
+        "--mfsdp-vocab-padding-independent-of-tp",
+        action="store_true",
+        help="pad the vocabulary by --make-vocab-size-divisible-by alone (a multiple of the TP size), not "
+        "times the TP size: the same padded vocabulary, and so the same numbers, at every TP size",
+    )
+    g.add_argument("--output-dir", default=None, help="ours: loss_history.json and loss_curve.png go here")

@@ -1,0 +1,475 @@
+"""Checks and derived values, before any process group, model or dataset exists.
+
+Each check raises ValueError with the flag named (parse_args turns it into argparse's
+exit 2). Derived values follow Megatron-LM's validate_args (megatron/training/arguments.py at
+core_v0.16.1); where a flag parses but does not apply here, a one-line notice goes to
+``args.notices`` and is printed at start-up.
+"""
+
+from __future__ import annotations
+
+import os
+
+
+def _fail(message: str) -> None:
+    raise ValueError(message)
+
+
+def validate_parallel(args) -> None:
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    if args.world_size % (tp * pp):
+        _fail(
+            f"world size {args.world_size} is not divisible by --tensor-model-parallel-size {tp} x "
+            f"--pipeline-model-parallel-size {pp}"
+        )
+    args.data_parallel_size = args.world_size // (tp * pp)
+    if args.data_parallel_size % args.mfsdp_replicate_size:
+        _fail(
+            f"--mfsdp-replicate-size {args.mfsdp_replicate_size} does not divide the data-parallel size "
+            f"{args.data_parallel_size}"
+        )
+    if args.sequence_parallel and tp == 1:
+        args.sequence_parallel = False
+        args.notices.append(
+            "--sequence-parallel: disabled because tensor model parallelism is disabled (as Megatron-LM)"
+        )
+    if args.distributed_backend == "nccl" and not _has_cuda():
+        args.distributed_backend = "gloo"
+        args.notices.append("--distributed-backend nccl: no CUDA on this machine, gloo runs instead")
+    args.parallel_order = "tp-pp-dp" if args.use_tp_pp_dp_mapping else "tp-cp-ep-dp-pp"
+    _validate_virtual_pipeline(args)
+
+
+def _validate_virtual_pipeline(args) -> None:
+    pp, per_vp, vp = (
+        args.pipeline_model_parallel_size,
+        args.num_layers_per_virtual_pipeline_stage,
+        args.num_virtual_stages_per_pipeline_rank,
+    )
+    if per_vp is not None and vp is not None:
+        _fail("--num-layers-per-virtual-pipeline-stage and --num-virtual-stages-per-pipeline-rank exclude each other")
+    uneven = args.decoder_first_pipeline_num_layers is not None or args.decoder_last_pipeline_num_layers is not None
+    extra = int(args.account_for_embedding_in_pipeline_split) + int(args.account_for_loss_in_pipeline_split)
+    layers = (args.num_layers or 0) + extra
+    args.virtual_pipeline_model_parallel_size = None
+    if per_vp is not None:
+        if uneven:
+            _fail(
+                "uneven pipeline stages (--decoder-first/last-pipeline-num-layers) need "
+                "--num-virtual-stages-per-pipeline-rank, not --num-layers-per-virtual-pipeline-stage"
+            )
+        if pp < 2 or layers % pp or (layers // pp) % per_vp:
+            _fail(
+                f"--num-layers-per-virtual-pipeline-stage {per_vp} needs --pipeline-model-parallel-size > 1 and "
+                f"must divide the {layers // pp} layers of each pipeline stage"
+            )
+        vp = layers // pp // per_vp
+    elif not uneven and layers % pp:
+        _fail(f"--num-layers {args.num_layers} is not divisible by --pipeline-model-parallel-size {pp}")
+    if vp is not None and vp > 1:
+        if pp < 2 or (pp == 2 and not args.overlap_p2p_comm):
+            _fail(
+                "the interleaved schedule needs --pipeline-model-parallel-size > 1 (> 2 with "
+                "--no-overlap-p2p-communication)"
+            )
+        args.virtual_pipeline_model_parallel_size = vp
+
+
+def validate_model(args) -> None:
+    for flag, value in (
+        ("--num-layers", args.num_layers),
+        ("--hidden-size", args.hidden_size),
+        ("--num-attention-heads", args.num_attention_heads),
+        ("--seq-length", args.seq_length),
+        ("--max-position-embeddings", args.max_position_embeddings),
+    ):
+        if value is None:
+            _fail(f"{flag} is required")
+    if args.seq_length > args.max_position_embeddings:
+        _fail(f"--max-position-embeddings {args.max_position_embeddings} must be >= --seq-length {args.seq_length}")
+    if args.ffn_hidden_size is None:
+        # Megatron-LM's rule: with SwiGLU keep the parameter count of a 4h MLP, a multiple of 64.
+        args.ffn_hidden_size = int((4 * args.hidden_size * 2 / 3) / 64) * 64 if args.swiglu else 4 * args.hidden_size
+    if args.kv_channels is None:
+        if args.hidden_size % args.num_attention_heads:
+            _fail(
+                f"--hidden-size {args.hidden_size} is not divisible by --num-attention-heads "
+                f"{args.num_attention_heads} (or give --kv-channels)"
+            )
+        args.kv_channels = args.hidden_size // args.num_attention_heads
+    groups = args.num_query_groups if args.group_query_attention else args.num_attention_heads
+    if args.num_attention_heads % groups:
+        _fail(f"--num-query-groups {groups} must divide --num-attention-heads {args.num_attention_heads}")
+    tp = args.tensor_model_parallel_size
+    for flag, value in (
+        ("--num-attention-heads", args.num_attention_heads),
+        ("--num-query-groups", groups),
+        ("--ffn-hidden-size", args.ffn_hidden_size),
+    ):
+        if value % tp:
+            _fail(f"{flag} {value} is not divisible by --tensor-model-parallel-size {tp}")
+    if args.mfsdp_vocab_padding_independent_of_tp and args.make_vocab_size_divisible_by % tp:
+        _fail(
+            f"--mfsdp-vocab-padding-independent-of-tp: --make-vocab-size-divisible-by "
+            f"{args.make_vocab_size_divisible_by} must be a multiple of --tensor-model-parallel-size {tp}"
+        )
+    _validate_model_kinds(args)
+
+
+def _validate_model_kinds(args) -> None:
+    if args.use_rotary_position_embeddings:
+        args.position_embedding_type = "rope"
+    if args.position_embedding_type in ("mrope", "relative"):
+        _fail(f"--position-embedding-type {args.position_embedding_type} is not supported by megatron-mfsdp yet")
+    if not args.add_position_embedding and args.position_embedding_type != "rope":
+        _fail("--no-position-embedding is deprecated: use --position-embedding-type (rope or none)")
+    activations = [
+        f
+        for f, on in (
+            ("--swiglu", args.swiglu),
+            ("--squared-relu", args.squared_relu),
+            ("--openai-gelu", args.openai_gelu),
+        )
+        if on
+    ]
+    if len(activations) > 1:
+        _fail(f"{' and '.join(activations)} exclude each other")
+    if args.apply_query_key_layer_scaling:
+        args.attention_softmax_in_fp32 = True
+    if args.recompute_activations:
+        args.recompute_granularity = "selective"
+    if args.recompute_granularity == "selective" and args.recompute_method is not None:
+        _fail("--recompute-method applies to --recompute-granularity full only")
+    if args.recompute_granularity == "full" and args.recompute_method is None:
+        _fail("--recompute-granularity full needs --recompute-method uniform or block")
+
+
+def validate_precision(args) -> None:
+    if args.fp16 and args.bf16:
+        _fail("--fp16 and --bf16 are mutually exclusive")
+    if args.fp16 and not args.loss_scale and args.check_for_nan_in_loss_and_grad:
+        args.check_for_nan_in_loss_and_grad = False  # dynamic loss scaling handles inf/nan (as Megatron-LM)
+    if args.bf16 and args.grad_reduce_in_bf16:
+        args.accumulate_allreduce_grads_in_fp32 = False
+    elif args.bf16:
+        args.accumulate_allreduce_grads_in_fp32 = True
+    if args.fp8 is not None or args.fp8_param_gather:
+        args.notices.append(
+            f"--fp8-format {args.fp8} / --fp8-param-gather: FP8 training is not in megatron-mfsdp yet (planned: "
+            f"the owner quantizes its own matrices); this run computes in {'bf16' if args.bf16 else 'the given dtype'}"
+        )
+        args.fp8, args.fp8_param_gather = None, False
+
+
+def validate_schedule(args) -> None:
+    """Iteration- or sample-based training and its lr schedule, as Megatron-LM's validate_args (at
+    HEAD, which lets --rampup-batch-size ramp the batch of iteration-based training too)."""
+    if (args.train_iters is None) == (args.train_samples is None):
+        _fail("give exactly one of --train-iters and --train-samples")
+    if args.lr is None:
+        _fail("--lr is required")
+    if args.min_lr > args.lr:
+        _fail(f"--min-lr {args.min_lr} is larger than --lr {args.lr}")
+    if args.train_iters is not None:
+        for flag, value, empty in (
+            ("--train-samples", args.train_samples, None),
+            ("--lr-decay-samples", args.lr_decay_samples, None),
+            ("--lr-warmup-samples", args.lr_warmup_samples, 0),
+            ("--lr-wsd-decay-samples", args.lr_wsd_decay_samples, None),
+        ):
+            if value != empty:
+                _fail(f"{flag} is sample-based and does not combine with --train-iters (use --train-samples)")
+        if args.lr_warmup_fraction is not None and args.lr_warmup_iters:
+            _fail("give only one of --lr-warmup-fraction and --lr-warmup-iters")
+    else:
+        for flag, value, empty in (
+            ("--lr-decay-iters", args.lr_decay_iters, None),
+            ("--lr-warmup-iters", args.lr_warmup_iters, 0),
+            ("--lr-wsd-decay-iters", args.lr_wsd_decay_iters, None),
+        ):
+            if value != empty:
+                _fail(f"{flag} is iteration-based and does not combine with --train-samples (use --train-iters)")
+        if args.lr_warmup_fraction is not None and args.lr_warmup_samples:
+            _fail("give only one of --lr-warmup-fraction and --lr-warmup-samples")
+    if args.lr_decay_style == "WSD" and args.lr_wsd_decay_iters is None and args.lr_wsd_decay_samples is None:
+        _fail("--lr-decay-style WSD needs --lr-wsd-decay-iters (or --lr-wsd-decay-samples)")
+    if args.weight_decay_incr_style == "constant":
+        if args.start_weight_decay is not None or args.end_weight_decay is not None:
+            _fail("--start/--end-weight-decay need --weight-decay-incr-style linear or cosine")
+        args.start_weight_decay = args.end_weight_decay = args.weight_decay
+    elif args.start_weight_decay is None or args.end_weight_decay is None:
+        _fail(
+            f"--weight-decay-incr-style {args.weight_decay_incr_style} needs --start-weight-decay and "
+            "--end-weight-decay"
+        )
+    _validate_batches(args)
+    _validate_lr_lengths(args)
+
+
+def _validate_lr_lengths(args) -> None:
+    """What megatron-core's OptimizerParamScheduler asserts, said with the flags' names."""
+    if args.lr_warmup_init > args.lr:
+        _fail(f"--lr-warmup-init {args.lr_warmup_init} is larger than --lr {args.lr}")
+    if args.end_weight_decay < args.start_weight_decay:
+        _fail(f"--end-weight-decay {args.end_weight_decay} is smaller than --start-weight-decay")
+    if args.override_opt_param_scheduler and args.use_checkpoint_opt_param_scheduler:
+        _fail("give only one of --override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler")
+    if args.train_iters is not None and args.train_samples is None:
+        unit, decay = "iterations", args.lr_decay_iters or args.train_iters
+        decay_flag = "--lr-decay-iters" if args.lr_decay_iters else "--train-iters"
+        warmup, warmup_flag, wsd = args.lr_warmup_iters, "--lr-warmup-iters", args.lr_wsd_decay_iters
+    else:
+        unit, decay = "samples", args.lr_decay_samples or args.train_samples
+        decay_flag = "--lr-decay-samples" if args.lr_decay_samples else "--train-samples"
+        warmup, warmup_flag, wsd = args.lr_warmup_samples, "--lr-warmup-samples", args.lr_wsd_decay_samples
+    if args.lr_warmup_fraction is not None:
+        warmup, warmup_flag = args.lr_warmup_fraction * decay, f"--lr-warmup-fraction {args.lr_warmup_fraction}"
+    if warmup >= decay:
+        _fail(
+            f"{warmup_flag} gives {warmup:g} warmup {unit}, not fewer than the {decay} {unit} the lr decays "
+            f"over ({decay_flag}); shorten the warmup (--lr-warmup-fraction scales with the run)"
+        )
+    if args.lr_decay_style == "WSD" and wsd is not None and wsd > decay:
+        _fail(f"the WSD decay ({wsd} {unit}) is longer than the {decay} {unit} of {decay_flag}")
+
+
+def _validate_batches(args) -> None:
+    mbs, dp = args.micro_batch_size, args.data_parallel_size
+    if mbs is None:
+        _fail("--micro-batch-size is required")
+    if args.step_batch_size_schedule is not None:
+        _validate_step_schedule(args)
+    if args.global_batch_size is None:
+        args.global_batch_size = mbs * dp
+    if args.global_batch_size % (mbs * dp):
+        _fail(
+            f"--global-batch-size {args.global_batch_size} is not divisible by --micro-batch-size {mbs} x "
+            f"data-parallel size {dp}"
+        )
+    if args.rampup_batch_size is not None:
+        start, increment, _ = args.rampup_batch_size
+        if start % (mbs * dp) or increment % (mbs * dp) or (args.global_batch_size - start) % increment:
+            _fail(
+                f"--rampup-batch-size {' '.join(map(str, args.rampup_batch_size))}: start and increment must be "
+                f"multiples of micro batch x DP = {mbs * dp}, and reach --global-batch-size in whole increments"
+            )
+    args.num_microbatches = args.global_batch_size // (mbs * dp)
+    if args.optimizer == "dist_muon":
+        args.optimizer = "muon"
+        args.notices.append("--optimizer dist_muon: deprecated in Megatron-LM; runs as --optimizer muon")
+
+
+def _validate_step_schedule(args) -> None:
+    """Megatron-LM HEAD refuses --global-batch-size with a step schedule; we also take it when it
+    equals the schedule's last batch size (HEAD's own examples/gpt3 script gives both)."""
+    from ..schedule import parse_step_schedule
+
+    if args.rampup_batch_size is not None:
+        _fail("--rampup-batch-size and --step-batch-size-schedule exclude each other")
+    steps = parse_step_schedule(
+        args.step_batch_size_schedule, args.seq_length, args.micro_batch_size * args.data_parallel_size
+    )
+    final = steps[-1][1]
+    if args.global_batch_size not in (None, final):
+        _fail(
+            f"--global-batch-size {args.global_batch_size} differs from the last batch size of "
+            f"--step-batch-size-schedule ({final}): give one of them"
+        )
+    args.global_batch_size = final
+
+
+def validate_io(args) -> None:
+    """Checkpoint and log destinations, before any work."""
+    if args.save is not None:
+        if args.save_interval is None:
+            _fail("--save needs --save-interval (as Megatron-LM)")
+        _writable_dir(args.save, "--save")
+    if args.save_retain_interval is not None and (
+        args.save_interval is None or args.save_retain_interval % args.save_interval
+    ):
+        _fail("--save-retain-interval must be a multiple of --save-interval")
+    for flag, path in (
+        ("--tensorboard-dir", args.tensorboard_dir),
+        ("--output-dir", args.output_dir),
+        ("--wandb-save-dir", args.wandb_save_dir),
+    ):
+        if path is not None:
+            _writable_dir(path, flag)
+    if args.wandb_project:
+        try:
+            import wandb  # noqa: F401
+        except ImportError:
+            _fail(f"--wandb-project {args.wandb_project}: the wandb package is not installed (pip install wandb)")
+    if args.profile and args.profile_step_end <= args.profile_step_start:
+        _fail(
+            f"--profile-step-end {args.profile_step_end} must be after --profile-step-start {args.profile_step_start}"
+        )
+
+
+def _writable_dir(path: str, flag: str) -> None:
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as err:
+        _fail(f"{flag} {path}: cannot create the folder ({err.strerror})")
+    if not os.path.isdir(path) or not os.access(path, os.W_OK | os.X_OK):
+        _fail(f"{flag} {path}: not a writable folder")
+
+
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def validate_optimizer(args) -> None:
+    from ...optim import registry
+    from ...placement.rules import parse_rule
+    from ..setup import optimizer_config, runtime_config
+
+    args.muon_ns_dtype = args.muon_ns_dtype or _ns_dtype(args)
+    args.param_rules = [parse_rule(rule, registry.rule_names()) for rule in args.mfsdp_param_rule]
+    runtime_config(args)  # the configs validate their own fields (one source of truth)
+    optimizer_config(args)
+    if args.use_matrix_fsdp:
+        for flag, on, instead in (
+            (
+                "--use-distributed-optimizer",
+                args.use_distributed_optimizer,
+                "optimizer state is already sharded by owner",
+            ),
+            ("--overlap-grad-reduce", args.overlap_grad_reduce, "gradients are reduced to their owners per unit"),
+            (
+                "--overlap-param-gather",
+                args.overlap_param_gather,
+                "each unit's weights are prefetched from their owners one unit ahead",
+            ),
+        ):
+            if on:
+                args.notices.append(f"{flag} with --use-matrix-fsdp: {instead}")
+    elif args.optimizer == "muon" and (args.use_distributed_optimizer or args.overlap_param_gather):
+        _fail(
+            "--optimizer muon with --use-distributed-optimizer or --overlap-param-gather needs --use-matrix-fsdp "
+            "(megatron-core's Muon supports neither, as in Megatron-LM 0.16.1)"
+        )
+    elif args.overlap_param_gather and not args.use_distributed_optimizer:
+        _fail("--overlap-param-gather needs --use-distributed-optimizer (as Megatron-LM)")
+
+
+def _ns_dtype(args) -> str:
+    """Newton-Schulz dtype when --muon-ns-dtype is not given: --muon-fp32-matmul-prec if given (as
+    megatron-core: medium and low iterate in bf16, high in fp32), else by this machine's capability."""
+    if "--muon-fp32-matmul-prec" in args.explicit:
+        return "fp32" if args.muon_fp32_matmul_prec == "high" else "bf16"
+    from ...compat.cpu import fast_bf16_matmul
+
+    return "bf16" if _has_cuda() or fast_bf16_matmul() else "fp32"
+
+
+def validate_data(args) -> None:
+    """Data files checked against each other (.bin against .idx) and tokenizer files present,
+    before any work; the tokenizer default is Megatron-LM's pretrain_gpt.py's."""
+    from ...data.checks import check_data_prefixes
+
+    args.use_default_data = not (args.data_path or args.mock_data or args.train_data_path)
+    if args.use_default_data:
+        if args.tokenizer_model or args.vocab_file:
+            _fail("a tokenizer given without --data-path or --mock-data: the embedded default data brings its own")
+        args.tokenizer_type = "GPTSentencePieceTokenizer"  # its data ends documents with the model's </s>
+        return
+    if args.data_path and args.mock_data:
+        _fail("--data-path and --mock-data exclude each other")
+    if args.data_path and args.split is None:
+        args.split = "969, 30, 1"
+        args.notices.append('--split not given with --data-path: using Megatron-LM\'s legacy default "969, 30, 1"')
+    for flag in ("--data-path", "--train-data-path", "--valid-data-path", "--test-data-path"):
+        values = getattr(args, flag[2:].replace("-", "_"))
+        data_prefixes(values, flag)  # the weights and prefixes alternate
+        try:
+            check_data_prefixes(values or [])
+        except ValueError as err:
+            _fail(f"{flag}: {err}")
+    _validate_tokenizer(args)
+
+
+def _validate_tokenizer(args) -> None:
+    if args.tokenizer_type is None:
+        # Megatron-LM's pretrain_gpt.py defaults to GPT2BPETokenizer (args_defaults); mock data
+        # without a tokenizer needs none, so NullTokenizer stands in there.
+        args.tokenizer_type = "NullTokenizer" if args.mock_data and not args.vocab_file else "GPT2BPETokenizer"
+    needs = {
+        "GPT2BPETokenizer": ("--vocab-file", "--merge-file"),
+        "NullTokenizer": ("--vocab-size",),
+        "TikTokenizer": ("--tokenizer-model", "--tiktoken-pattern"),
+    }.get(args.tokenizer_type, ("--tokenizer-model",))
+    for flag in needs:
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if value is None:
+            _fail(f"--tokenizer-type {args.tokenizer_type} needs {flag}")
+        if flag in ("--vocab-file", "--merge-file") or (
+            flag == "--tokenizer-model" and args.tokenizer_type != "HuggingFaceTokenizer"
+        ):
+            if not os.path.isfile(value):
+                _fail(f"{flag} {value}: no such file")
+        elif flag == "--tokenizer-model" and not os.path.isdir(value):
+            _fail(f"{flag} {value}: HuggingFaceTokenizer needs a local folder (no downloads here)")
+
+
+def data_prefixes(values, flag: str) -> list:
+    """The dataset prefixes of a Megatron-LM --data-path value: P1 P2 ... or W1 P1 W2 P2 ..."""
+    if not values:
+        return []
+    if len(values) == 1:
+        return list(values)
+    weights, prefixes = values[0::2], values[1::2]
+    try:
+        [float(w) for w in weights]
+    except ValueError:
+        return list(values)
+    if len(weights) != len(prefixes):
+        _fail(f"{flag}: weights and prefixes must alternate (W1 P1 W2 P2 ...), got {len(values)} values")
+    return list(prefixes)
+
+
+def validate_device(args) -> None:
+    """What this machine's megatron-core can run; what it cannot gets one notice."""
+    te = _has_cuda() and _importable("transformer_engine")
+    if args.transformer_impl == "inference_optimized":
+        _fail("--transformer-impl inference_optimized is for inference only; use local or transformer_engine")
+    if args.transformer_impl == "transformer_engine" and not te:
+        args.transformer_impl = "local"
+        args.notices.append(
+            "--transformer-impl transformer_engine: Transformer Engine needs CUDA and is not available "
+            "here; megatron-core's local layer spec runs (PyTorch SDPA core attention)"
+        )
+    if args.transformer_impl == "local" and args.attention_backend not in ("auto", "local"):
+        args.notices.append(
+            f"--attention-backend {args.attention_backend}: the local layer spec's core attention is PyTorch SDPA"
+        )
+    kernels = _importable("fused_weight_gradient_mlp_cuda") or te
+    args.persist_layer_norm = not args.no_persist_layer_norm
+    off = []
+    for dest, label, available in (
+        ("gradient_accumulation_fusion", "gradient accumulation (Apex or TE CUDA kernels)", kernels),
+        ("persist_layer_norm", "persistent layer norm (TE or Apex)", te or _importable("apex")),
+        ("apply_rope_fusion", "RoPE (TE)", te),
+    ):
+        if getattr(args, dest, False) and not available:
+            setattr(args, dest, False)
+            off.append(label)
+    if args.cross_entropy_fusion_impl == "te" and not te:
+        args.cross_entropy_fusion_impl = "native"
+        off.append("TE cross entropy (the native fused one runs)")
+    if off:
+        args.notices.append("fusions not available on this machine, running without: " + ", ".join(off))
+    if args.disable_jit_fuser:
+        from megatron.core import jit
+
+        jit.disable_jit_fuser()
+    if args.dataloader_type == "cyclic":
+        _fail("--dataloader-type cyclic is not supported by megatron-mfsdp yet (single: Megatron-LM's default)")
+
+
+def _importable(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
