@@ -19,6 +19,7 @@ import glob
 import io
 import os
 import re
+import shlex
 import sys
 import tempfile
 
@@ -50,15 +51,23 @@ KINDS = (
 
 
 def script_options(path: str) -> list[tuple[str, list[str]]]:
-    """(flag, values) of a bash launch script: its --flags and the words after them."""
-    lines = [line.split("#", 1)[0] for line in open(path).read().splitlines()]
-    words = re.findall(r"\S+", " ".join(line.rstrip("\\") for line in lines))
+    """(flag, values) of a bash launch script: its --flags and the words after them, split as
+    the shell does (quoted values stay one word; ``$VAR`` values are kept for try_parse)."""
+    text = open(path).read().replace("\\\n", " ")
+    try:
+        words = shlex.split(text, comments=True)
+    except ValueError:  # an unbalanced quote in a heredoc or comment: fall back to words
+        words = re.findall(r"\S+", text)
+    # bash arrays hold quoted groups such as ("--num-workers 1"): split those again
+    words = [w for word in words for w in (shlex.split(word) if word.startswith("--") and " " in word else [word])]
     out = []
     for word in words:
-        word = word.strip("()\"'")
+        word = word.strip("()")
+        if word in ("if", "then", "else", "elif", "fi", "[", "]", "[[", "]]", ";"):
+            continue
         if re.fullmatch(r"--[A-Za-z][\w-]*", word):
             out.append((word, []))
-        elif out and word and not word.startswith(("$", "torchrun", "${")) and "=" not in word:
+        elif out and word and not word.startswith("torchrun") and not re.fullmatch(r"\w+\+?=.*", word):
             out[-1][1].append(word)
     return [(flag, values) for flag, values in out if flag not in LAUNCHER_FLAGS]
 
@@ -72,7 +81,7 @@ def config_options(path: str) -> list[tuple[str, list[str]]]:
         if value is False:
             continue
         values = [] if value is True else [str(v) for v in (value if isinstance(value, list) else [value])]
-        out.append((flag, [w for v in values for w in v.split()]))
+        out.append((flag, values))  # one word per YAML value, as the harness quotes it
     return out
 
 
@@ -98,7 +107,11 @@ def classify(flag: str, ours: set, megatron: frozenset, refused: dict) -> str:
     return KINDS[4] if flag in megatron else KINDS[5]
 
 
-def try_parse(options, folder: str) -> str | None:
+def _multi_valued(parser) -> set:
+    return {o for a in parser._actions if a.nargs in ("*", "+") or (a.nargs or 1) != 1 for o in a.option_strings}
+
+
+def try_parse(options, folder: str, multi: set) -> str | None:
     """None if the source parses, else argparse's error line. Flags whose value is a ``$VAR`` of
     the launcher's environment are left out (paths get a temporary folder)."""
     argv = []
@@ -109,9 +122,11 @@ def try_parse(options, folder: str) -> str | None:
             values = [os.path.join(folder, flag.strip("-"))]
         elif any(v.startswith("$") for v in values):
             continue  # set by the test harness's environment (a W&B name, a seed): left unset
+        if flag in multi:  # e.g. --data-path "1 a 1 b": several words
+            values = [w for v in values for w in v.split()]
         argv += [flag, *values]
     argv += ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "256"]
-    sizes = dict((f, v) for f, v in options if v)
+    sizes = dict((f, v) for f, v in options if v and v[0].isdigit())
     world = int(sizes.get("--tensor-model-parallel-size", ["1"])[0]) * int(
         sizes.get("--pipeline-model-parallel-size", ["1"])[0]
     )
@@ -145,7 +160,7 @@ def main() -> None:
                 kind = classify(flag, ours, megatron, refused)
                 kinds[kind] += 1
                 per_flag[kind][flag] += 1
-            error = try_parse(options, folder)
+            error = try_parse(options, folder, _multi_valued(parser))
             if error is None:
                 parsed.append(name)
             else:

@@ -122,14 +122,16 @@ def _pretrain_worker(rank, world_size, argv):
     return {"history": history, "stdout": out.getvalue()}
 
 
-def pretrain_in_workers(nproc: int, *flags: str, tmp_path, rank: int = -1) -> dict:
+def pretrain_in_workers(nproc: int, *flags: str, tmp_path, rank: int | None = -1) -> dict | list:
     """pretrain_gpt.py's code path (parse_args, pretrain) on the session's pooled gloo
     workers, without torchrun's start-up cost: one rank's loss history and stdout (by default
-    the last rank's, which prints the training log; rank 0 prints start-up and exit lines)."""
+    the last rank's, which prints the training log; rank 0 prints start-up and exit lines;
+    ``rank=None``: every rank's)."""
     from megatron_mfsdp.testing import run_workers
 
     argv = [*flags, "--output-dir", str(tmp_path / "out")]
-    return run_workers(nproc, _pretrain_worker, argv)[rank]
+    results = run_workers(nproc, _pretrain_worker, argv)
+    return results if rank is None else results[rank]
 
 
 def train_losses(result: dict) -> list:

@@ -34,7 +34,6 @@ NOT_APPLICABLE = {
     "--log-energy": "energy monitoring needs NVML: not logged",
     "--log-straggler": "the straggler detector is not used",
     "--dataloader-fast-cache-load": "the dataset index cache is read as megatron-core builds it",
-    "--tensorboard-queue-size": "ignored: scalars are written as they come",
 }
 
 UNSUPPORTED = {

@@ -73,6 +73,9 @@ def _validate_virtual_pipeline(args) -> None:
                 "--no-overlap-p2p-communication)"
             )
         args.virtual_pipeline_model_parallel_size = vp
+    if getattr(args, "virtual_pipeline_model_parallel_size", None) is None:
+        # Megatron-LM's validate_args: only the interleaved schedule overlaps p2p or aligns the gathers
+        args.overlap_p2p_comm = args.align_param_gather = False
 
 
 def validate_model(args) -> None:
