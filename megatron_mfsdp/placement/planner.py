@@ -1,20 +1,30 @@
 """Owner assignment: which data-parallel rank holds each whole matrix.
 
-Largest first: each matrix goes to the rank whose normalized load (cost share +
-element share) after taking it is smallest; ties go to the lower rank. Every rank
-starts with an even share of the tail's elements. 'greedy' walks the units in order
-and carries each rank's load across them, so consecutive units spread their owners;
-'global' sorts all matrices at once, which balances better when matrix sizes differ
-a lot across units; 'auto' keeps whichever has the smaller worst max/mean of bytes
-and cost.
+Two constructions, largest first: each matrix goes to the rank whose normalized load
+(cost share + element share) after taking it is smallest; ties go to the lower rank.
+Every rank starts with an even share of the tail's elements.
+
+  greedy  walks the units in order and carries each rank's load across them, so
+          consecutive units spread their owners. Constructive only.
+  global  sorts all matrices at once, which balances better when matrix sizes differ a
+          lot across units. Constructive only.
+  auto    (the default) builds both, improves each by the local search of search.py
+          (moves, swaps and exchanges of matrices between two or three ranks, scored
+          by each rank's larger share of NS cost and of bytes), and keeps the best plan
+          by its per-rank shares sorted worst first: the max, then the second max, ...
+          The constructions themselves stay candidates, so 'auto' is never worse than
+          either. Deterministic: same inputs, same plan on every rank.
+
+'greedy' and 'global' are kept as they were (without search) to reproduce older plans.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .layout import ParamSpec, Plan, UnitSpec, balance, layout_units
+from .layout import ParamSpec, Plan, UnitSpec, layout_units
 from .rules import WHOLE
+from .search import OwnerSearch
 
 POLICIES = ("greedy", "global", "auto")
 
@@ -41,18 +51,8 @@ def _assign_owners(
     return owners
 
 
-def plan_units(units: Sequence[UnitSpec], world_size: int, policy: str = "auto") -> Plan:
-    """Assign every WHOLE parameter an owner among ``world_size`` DP ranks and lay out each unit."""
-    if world_size < 1:
-        raise ValueError(f"data-parallel size must be >= 1, got {world_size}")
-    names = [p.name for u in units for p in u.params]
-    if len(set(names)) != len(names):
-        raise ValueError("a parameter appears in two units")
-    if policy == "auto":
-        candidates = [plan_units(units, world_size, p) for p in ("greedy", "global")]
-        return min(candidates, key=lambda plan: max(balance(v) for v in plan.per_rank_load()))
-    if policy not in POLICIES:
-        raise ValueError(f"unknown planner policy {policy!r} (--mfsdp-planner); choose one of {', '.join(POLICIES)}")
+def constructive_owners(units: Sequence[UnitSpec], world_size: int, policy: str) -> dict[str, int]:
+    """The owner of every WHOLE parameter by the 'greedy' or 'global' construction."""
     all_params = [p for u in units for p in u.params]
     matrices = [p for p in all_params if p.storage == WHOLE]
     tail_total = sum(p.numel for p in all_params if p.storage != WHOLE)
@@ -63,4 +63,54 @@ def plan_units(units: Sequence[UnitSpec], world_size: int, policy: str = "auto")
     groups = [[p for p in u.params if p.storage == WHOLE] for u in units] if policy == "greedy" else [matrices]
     for group in groups:
         owners.update(_assign_owners(group, world_size, cost_load, bytes_load, *totals))
-    return layout_units(units, world_size, owners, policy)
+    return owners
+
+
+def searched_owners(units: Sequence[UnitSpec], world_size: int, owners: dict[str, int]) -> tuple[dict[str, int], bool]:
+    """``owners`` improved by the local search (search.py), never worse by its score;
+    and whether the result meets the lower bounds of both cost and elements."""
+    matrices = [p for u in units for p in u.params if p.storage == WHOLE]
+    tail = sum(p.numel for u in units for p in u.params if p.storage != WHOLE)
+    search = OwnerSearch(matrices, world_size, tail, owners)
+    search.improve()
+    return search.owners(), search.at_bounds()
+
+
+def plan_key(plan: Plan) -> tuple[int, ...]:
+    """A plan's per-rank shares, max(cost / mean cost, elements / mean elements), sorted
+    worst first and scaled to integers: smaller (lexicographically) is better."""
+    elements, costs = plan.per_rank_load()
+    total_elements, total_cost = sum(elements), sum(costs)
+    if total_cost == 0:
+        return tuple(sorted(elements, reverse=True))
+    return tuple(sorted((max(c * total_elements, e * total_cost) for e, c in zip(elements, costs)), reverse=True))
+
+
+def _auto(units: Sequence[UnitSpec], world_size: int) -> Plan:
+    """Each construction and its searched improvement; the best by plan_key (the
+    earlier candidate on ties: searched plans first). A searched 'global' plan at the
+    lower bounds ends it there."""
+    candidates = []
+    for policy in ("global", "greedy"):
+        start = constructive_owners(units, world_size, policy)
+        owners, optimal = searched_owners(units, world_size, start)
+        candidates.append(layout_units(units, world_size, owners, f"{policy}+search"))
+        candidates.append(layout_units(units, world_size, start, policy))
+        if optimal:
+            break
+    keys = [plan_key(plan) for plan in candidates]
+    return candidates[min(range(len(candidates)), key=lambda i: (keys[i], i))]
+
+
+def plan_units(units: Sequence[UnitSpec], world_size: int, policy: str = "auto") -> Plan:
+    """Assign every WHOLE parameter an owner among ``world_size`` DP ranks and lay out each unit."""
+    if world_size < 1:
+        raise ValueError(f"data-parallel size must be >= 1, got {world_size}")
+    names = [p.name for u in units for p in u.params]
+    if len(set(names)) != len(names):
+        raise ValueError("a parameter appears in two units")
+    if policy not in POLICIES:
+        raise ValueError(f"unknown planner policy {policy!r} (--mfsdp-planner); choose one of {', '.join(POLICIES)}")
+    if policy == "auto":
+        return _auto(units, world_size)
+    return layout_units(units, world_size, constructive_owners(units, world_size, policy), policy)

@@ -1,0 +1,221 @@
+#!/usr/bin/env python
+"""Print the MatrixFSDP owner plan of a GPT shape at a data-parallel size, without launching anything.
+
+It takes pretrain_gpt.py's own flags (the same parser, types and model checks, so a training
+command line can be pasted as it is) plus --data-parallel-size, e.g. Llama-3-70B at TP 8 over
+32 DP ranks::
+
+    python tools/plan.py --num-layers 80 --hidden-size 8192 --ffn-hidden-size 28672 \
+        --num-attention-heads 64 --group-query-attention --num-query-groups 8 --swiglu \
+        --normalization RMSNorm --disable-bias-linear --position-embedding-type rope \
+        --untie-embeddings-and-output-weights --vocab-size 128256 \
+        --tensor-model-parallel-size 8 --data-parallel-size 32 --bf16
+
+It prints the plan table training prints at start-up (owned bytes and Newton-Schulz flops per
+DP rank, the max/mean line) and the lower bounds on max/mean that no owner assignment can
+beat. Owners are planned over DP / --mfsdp-replicate-size ranks, as at start-up. Parameter
+shapes are megatron-core's TP-local ones (local layer spec, one pipeline stage), computed from
+the flags rather than built, so any TP size plans in one process;
+tests/unit/test_planner_search.py checks them against GPTModels built on the meta device.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+Shapes = list[tuple[str, tuple[int, ...]]]
+
+
+def _norm(prefix: str, size: int, layernorm: bool) -> Shapes:
+    return [(f"{prefix}.weight", (size,))] + ([(f"{prefix}.bias", (size,))] if layernorm else [])
+
+
+def _linear(prefix: str, rows: int, cols: int, bias: int | None) -> Shapes:
+    """A linear layer's weight (rows, cols) and, when ``bias`` is a size, its bias."""
+    return [(f"{prefix}.weight", (rows, cols))] + ([(f"{prefix}.bias", (bias,))] if bias else [])
+
+
+def layer_shapes(args, index: int) -> Shapes:
+    """One transformer layer's parameters in megatron-core's registration order (local spec):
+    linear_qkv and linear_fc1 are column parallel (rows / TP, bias split), linear_proj and
+    linear_fc2 row parallel (columns / TP, bias whole). QKV rows are (heads + 2 * groups) *
+    kv_channels, fc1 rows twice the FFN size with SwiGLU (matches megatron/core/transformer/
+    attention.py and mlp.py at core_v0.16.1)."""
+    h, tp, kv = args.hidden_size, args.tensor_model_parallel_size, args.kv_channels
+    groups = args.num_query_groups if args.group_query_attention else args.num_attention_heads
+    qkv_rows = (args.num_attention_heads + 2 * groups) * kv // tp
+    fc1_rows = (2 if args.swiglu else 1) * args.ffn_hidden_size // tp
+    layernorm, bias = args.normalization == "LayerNorm", args.add_bias_linear
+    p = f"decoder.layers.{index}"
+    attention = _linear(f"{p}.self_attention.linear_proj", h, args.num_attention_heads * kv // tp, h if bias else None)
+    attention += _linear(f"{p}.self_attention.linear_qkv", qkv_rows, h, qkv_rows if bias or args.add_qkv_bias else None)
+    if args.qk_layernorm:
+        attention += _norm(f"{p}.self_attention.q_layernorm", kv, layernorm)
+        attention += _norm(f"{p}.self_attention.k_layernorm", kv, layernorm)
+    return (
+        _norm(f"{p}.input_layernorm", h, layernorm)
+        + attention
+        + _norm(f"{p}.pre_mlp_layernorm", h, layernorm)
+        + _linear(f"{p}.mlp.linear_fc1", fc1_rows, h, fc1_rows if bias else None)
+        + _linear(f"{p}.mlp.linear_fc2", h, args.ffn_hidden_size // tp, h if bias else None)
+    )
+
+
+def model_shapes(args) -> list[tuple[str, Shapes]]:
+    """(unit name, [(parameter name, TP-local shape)]) of a single-stage GPTModel, in the order
+    and with the names of models/gpt/units.py: a tied word embedding is a unit of its own,
+    first; the embedding unit holds what else the embedding has (dropped when empty)."""
+    h, tied = args.hidden_size, not args.untie_embeddings_and_output_weights
+    word = ("embedding.word_embeddings.weight", (args.padded_vocab_size // args.tensor_model_parallel_size, h))
+    embedding = [] if tied else [word]
+    if args.position_embedding_type == "learned_absolute":
+        embedding.append(("embedding.position_embeddings.weight", (args.max_position_embeddings, h)))
+    units = [("tied_embedding", [word])] if tied else []
+    units += [("embedding", embedding)] if embedding else []
+    units += [(f"layer{i + 1}", layer_shapes(args, i)) for i in range(args.num_layers)]
+    final = _norm("decoder.final_layernorm", h, args.normalization == "LayerNorm")
+    final += [] if tied else [("output_layer.weight", word[1])]
+    return units + [("final", final)]
+
+
+def get_parser() -> argparse.ArgumentParser:
+    """pretrain_gpt.py's parser (Megatron-LM's flags and ours) plus --data-parallel-size."""
+    from megatron_mfsdp.placement.blocks import MODES
+    from megatron_mfsdp.training.arguments import accepted, build_parser
+    from megatron_mfsdp.training.arguments.types import positive_int
+
+    p = build_parser()
+    p.prog, p.usage = "tools/plan.py", "%(prog)s [pretrain_gpt.py's model flags] --data-parallel-size DP"
+    p.description = __doc__.splitlines()[0]
+    accepted.add_accepted_args(p)
+    g = p.add_argument_group("tools/plan.py")
+    g.add_argument(
+        "--data-parallel-size", type=positive_int, required=True, help="DP ranks (world / (TP x PP)) to plan over"
+    )
+    g.add_argument(
+        "--split-qkv-owners",
+        choices=MODES,
+        default="whole",
+        help="preview: plan Q, K and V of each linear_qkv apart (contiguous: where a TP shard holds one query "
+        "group; all: everywhere). The runtime keeps them on one owner today (placement/blocks.py)",
+    )
+    return p
+
+
+def validate(args) -> None:
+    """pretrain_gpt.py's checks that concern the model and its placement (training/arguments/
+    validate.py, so the errors are the same); --seq-length and --max-position-embeddings are
+    needed only for learned absolute position embeddings, the only shape they change."""
+    from megatron_mfsdp.data.datasets import padded_vocab_size
+    from megatron_mfsdp.optim import registry
+    from megatron_mfsdp.placement.rules import parse_rule
+    from megatron_mfsdp.training.arguments import validate as checks
+
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    if pp != 1:
+        raise ValueError(f"--pipeline-model-parallel-size {pp}: tools/plan.py plans one pipeline stage (give 1)")
+    if args.vocab_size is None:
+        raise ValueError("--vocab-size is required (the tokenizer's vocabulary, before padding)")
+    if args.position_embedding_type != "learned_absolute" and not args.use_rotary_position_embeddings:
+        args.seq_length = args.seq_length or 1
+        args.max_position_embeddings = args.max_position_embeddings or args.seq_length
+    args.world_size, args.notices, args.explicit = tp * pp * args.data_parallel_size, [], []
+    checks.validate_parallel(args)
+    checks.validate_model(args)
+    checks.validate_precision(args)
+    checks.validate_device(args)  # what TransformerConfig accepts on this machine, as at start-up
+    args.padded_vocab_size = padded_vocab_size(
+        args.vocab_size, args.make_vocab_size_divisible_by, 1 if args.mfsdp_vocab_padding_independent_of_tp else tp
+    )
+    args.param_rules = [parse_rule(rule, registry.rule_names()) for rule in args.mfsdp_param_rule]
+
+
+def parse(argv: list[str] | None = None):
+    """Parsed and validated flags; errors exit 2 naming the flag, as pretrain_gpt.py's."""
+    from megatron_mfsdp.training.arguments import accepted
+
+    parser = get_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        parser.error(accepted.explain_unrecognized(extra))
+    try:
+        validate(args)
+    except ValueError as err:
+        parser.error(str(err))
+    return args
+
+
+def meta_units(shapes) -> list:
+    """ModelUnits of meta tensors of these shapes: what the runtime's unit_specs reads
+    (names and shapes), so the planner sees what MatrixFSDP sees at start-up."""
+    import torch
+
+    from megatron_mfsdp.models import ModelUnit
+
+    return [
+        ModelUnit(name, [(n, torch.empty(shape, device="meta")) for n, shape in params], []) for name, params in shapes
+    ]
+
+
+def specs_from_args(args) -> list:
+    """Planner specs of the model the (validated) flags describe, by the runtime's own unit_specs
+    (with Q, K and V apart if --split-qkv-owners asks)."""
+    from types import SimpleNamespace
+
+    from megatron_mfsdp.models.gpt import GPT_ADAPTER
+    from megatron_mfsdp.optim import registry
+    from megatron_mfsdp.placement.blocks import split_qkv_blocks
+    from megatron_mfsdp.runtime.wrapper import unit_specs
+    from megatron_mfsdp.training.setup import runtime_config
+
+    groups = args.num_query_groups if args.group_query_attention else args.num_attention_heads
+    shape = SimpleNamespace(
+        num_attention_heads=args.num_attention_heads, num_query_groups=groups, kv_channels=args.kv_channels
+    )
+    specs = unit_specs(meta_units(model_shapes(args)), runtime_config(args), GPT_ADAPTER, shape)
+    mode = getattr(args, "split_qkv_owners", "whole")
+    return split_qkv_blocks(specs, mode, registry.rule_set(args.param_rules).cost)
+
+
+def plan_from_args(args):
+    """(planner specs, plan) of the (validated) flags, over DP / --mfsdp-replicate-size owners."""
+    from megatron_mfsdp.placement import plan_units
+
+    specs = specs_from_args(args)
+    plan = plan_units(specs, args.data_parallel_size // args.mfsdp_replicate_size, args.mfsdp_planner)
+    plan.element_size = 2 if args.bf16 or args.fp16 else 4
+    return specs, plan
+
+
+def report(args, specs, plan) -> str:
+    """The start-up plan line and table, preceded by the model and followed by the lower bounds."""
+    from megatron_mfsdp.placement import WHOLE
+    from megatron_mfsdp.placement.bounds import plan_bounds
+
+    total = sum(p.numel for u in specs for p in u.params)
+    matrices = sum(p.numel for u in specs for p in u.params if p.storage == WHOLE)
+    bounds = plan_bounds(specs, plan.world_size)
+    return "\n".join(
+        [
+            f"GPT {args.num_layers} layers, hidden {args.hidden_size}, TP {args.tensor_model_parallel_size}, "
+            f"DP {args.data_parallel_size} (owners over {plan.world_size}): {total:,} parameters per TP rank, "
+            f"{matrices / max(total, 1):.1%} in whole matrices",
+            "> pipeline stage 0: " + plan.report(),
+            f"lower bounds: bytes {bounds.bytes:.3f}, NS flops {bounds.ns_flops:.3f} (max/mean no plan can beat)",
+        ]
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    specs, plan = plan_from_args(args)
+    print(report(args, specs, plan))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
