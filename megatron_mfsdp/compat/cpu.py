@@ -92,14 +92,56 @@ def cuda_on_cpu() -> Iterator[None]:
             setattr(obj, name, original)
 
 
-def fast_bf16_matmul() -> bool:
-    """Whether this CPU multiplies bf16 matrices in hardware (AMX-BF16 or AVX512-BF16 in
-    /proc/cpuinfo). There a bf16 product is several times faster than fp32 (measured 0.84 vs
-    7.05 ms for 512x512 @ 512x2048 with AMX); elsewhere bf16 falls back to a slow emulation. A
-    fixed rule, not a timing, so every rank of a job on the same machine type agrees."""
+PROBE_MARGIN = 0.8
+"""bf16 is chosen by the probe only when its product takes under this share of fp32's."""
+
+
+def cpu_flags() -> frozenset[str] | None:
+    """The ``flags`` line of /proc/cpuinfo (x86 Linux); None where there is none (other
+    systems, ARM's ``Features``), so that the capability is measured instead."""
     try:
         with open("/proc/cpuinfo") as f:
-            flags = next((line for line in f if line.startswith("flags")), "").split()
+            line = next((line for line in f if line.startswith("flags")), None)
     except OSError:
-        return False
-    return "amx_bf16" in flags or "avx512_bf16" in flags
+        return None
+    return None if line is None else frozenset(line.partition(":")[2].split())
+
+
+def bf16_matmul_probe(size: int = 256, repeats: int = 3) -> tuple[float, float]:
+    """(bf16 ms, fp32 ms): the best of ``repeats`` timings of a (size x size) @ (size x 2 size)
+    product in each dtype, after one warm-up each."""
+    import time
+
+    times = []
+    for dtype in (torch.bfloat16, torch.float32):
+        a, b = torch.ones(size, size, dtype=dtype), torch.ones(size, 2 * size, dtype=dtype)
+        a @ b
+        best = float("inf")
+        for _ in range(repeats):
+            start = time.perf_counter()
+            a @ b
+            best = min(best, time.perf_counter() - start)
+        times.append(best * 1e3)
+    return times[0], times[1]
+
+
+def bf16_matmul_choice() -> tuple[bool, str]:
+    """(whether bf16 matrix products are fast here, why). AMX-BF16 (``amx_bf16``) decides at
+    once: a bf16 product is several times faster than fp32 there (0.84 vs 7.05 ms for
+    512x512 @ 512x2048 on one core). Flags without any bf16 unit mean an emulation (about 50x
+    slower than fp32 on one such CPU). Between the two (``avx512_bf16`` alone) or without
+    flags, a timed probe decides. Flags first: every rank of a machine type reads the same
+    ones, where timings can differ (start-up compares --muon-ns-dtype across ranks)."""
+    flags = cpu_flags()
+    if flags is not None and "amx_bf16" in flags:
+        return True, "AMX-BF16 (amx_bf16 in /proc/cpuinfo flags)"
+    if flags is not None and "avx512_bf16" not in flags:
+        return False, "no bf16 matrix unit (neither amx_bf16 nor avx512_bf16 in /proc/cpuinfo flags)"
+    bf16, fp32 = bf16_matmul_probe()
+    where = "avx512_bf16 without amx_bf16 in /proc/cpuinfo flags" if flags is not None else "no /proc/cpuinfo flags"
+    return bf16 < PROBE_MARGIN * fp32, f"{where}; timed probe: bf16 {bf16:.2f} ms, fp32 {fp32:.2f} ms"
+
+
+def fast_bf16_matmul() -> bool:
+    """Whether this CPU multiplies bf16 matrices fast (:func:`bf16_matmul_choice`)."""
+    return bf16_matmul_choice()[0]

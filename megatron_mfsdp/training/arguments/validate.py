@@ -360,12 +360,20 @@ def validate_optimizer(args) -> None:
 
 def _ns_dtype(args) -> str:
     """Newton-Schulz dtype when --muon-ns-dtype is not given: --muon-fp32-matmul-prec if given (as
-    megatron-core: medium and low iterate in bf16, high in fp32), else by this machine's capability."""
+    megatron-core: medium and low iterate in bf16, high in fp32), else bf16 on CUDA and by this
+    CPU's capability (compat/cpu.py); a start-up notice says which and why."""
     if "--muon-fp32-matmul-prec" in args.explicit:
-        return "fp32" if args.muon_fp32_matmul_prec == "high" else "bf16"
-    from ...compat.cpu import fast_bf16_matmul
+        dtype = "fp32" if args.muon_fp32_matmul_prec == "high" else "bf16"
+        why = f"from --muon-fp32-matmul-prec {args.muon_fp32_matmul_prec} (as megatron-core)"
+    elif _has_cuda():
+        dtype, why = "bf16", "on CUDA"
+    else:
+        from ...compat.cpu import bf16_matmul_choice
 
-    return "bf16" if _has_cuda() or fast_bf16_matmul() else "fp32"
+        fast, reason = bf16_matmul_choice()
+        dtype, why = ("bf16" if fast else "fp32"), f"on this CPU: {reason}"
+    args.notices.append(f"--muon-ns-dtype not given: Newton-Schulz in {dtype} {why}")
+    return dtype
 
 
 def validate_data(args) -> None:
