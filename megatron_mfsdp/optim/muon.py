@@ -136,6 +136,55 @@ def newton_schulz(
     return x.float().contiguous()
 
 
+def newton_schulz_batched(
+    grads: Tensor,
+    steps: int = 5,
+    coefficient_type: str = "simple",
+    ns_dtype: torch.dtype = torch.bfloat16,
+    eps: float = 1e-7,
+) -> Tensor:
+    """:func:`newton_schulz` of a stack (B, rows, cols) of same-shape matrices, with batched
+    products (``baddbmm``) and per-matrix norms in the same op order. On CPU each batch entry
+    runs the same kernel as the single product, so results are bitwise equal
+    (tests/unit/test_muon_batched.py); GPU batched GEMMs may pick other kernels."""
+    if grads.dim() != 3:
+        raise ValueError(f"newton_schulz_batched expects a (batch, rows, cols) stack, got {tuple(grads.shape)}")
+    schedule = ns_coefficients_for(coefficient_type, steps)
+    x = grads.float().to(ns_dtype)
+    transposed = grads.size(1) > grads.size(2)
+    if transposed:
+        x = x.mT
+    x = x.div(torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True).clamp(min=eps))
+    for a, b, c in schedule:
+        gram = x @ x.mT
+        poly = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
+        x = torch.baddbmm(x, poly, x, beta=a)
+    if transposed:
+        x = x.mT
+    return x.float().contiguous()
+
+
+BATCH_ELEMENTS = 1 << 26
+"""Most elements stacked into one batched Newton-Schulz (256 MiB in fp32): bounds the copy."""
+
+
+def orthogonalize_all(matrices: Sequence[Tensor], steps: int, coefficient_type: str, ns_dtype: torch.dtype) -> list:
+    """:func:`newton_schulz` of every matrix, same-shape ones stacked (in order of first
+    appearance, at most BATCH_ELEMENTS per stack) and run batched."""
+    by_shape: dict[tuple, list[int]] = {}
+    for i, m in enumerate(matrices):
+        by_shape.setdefault(tuple(m.shape), []).append(i)
+    out: list = [None] * len(matrices)
+    for shape, indices in by_shape.items():
+        per_stack = max(1, BATCH_ELEMENTS // max(1, shape[0] * shape[1]))
+        for start in range(0, len(indices), per_stack):
+            chunk = indices[start : start + per_stack]
+            result = newton_schulz_batched(torch.stack([matrices[i] for i in chunk]), steps, coefficient_type, ns_dtype)
+            for i, x in zip(chunk, result.unbind(0)):
+                out[i] = x
+    return out
+
+
 def update_scale(shape: Sequence[int], mode: str, extra_scale_factor: float) -> float:
     """Scale of an orthogonalized update of a (rows=m, cols=n) matrix.
 
@@ -332,7 +381,58 @@ def step_kwargs(ctx: StepContext) -> dict:
     )
 
 
+def batched_updates(
+    directions: Sequence[Tensor],
+    split_rows: Sequence[Sequence[int] | None],
+    lr: float,
+    *,
+    ns_steps: int,
+    coefficient_type: str,
+    ns_dtype: torch.dtype,
+    scale_mode: str,
+    extra_scale_factor: float,
+) -> list[tuple[Tensor, float]]:
+    """:func:`scaled_update` of every direction, with all Newton-Schulz runs of same-shape
+    matrices (Q, K and V blocks included) batched: the same (update, alpha) pairs."""
+    blocks = [[d] if rows is None else split_qkv(d, rows) for d, rows in zip(directions, split_rows)]
+    flat = orthogonalize_all([b for bs in blocks for b in bs], ns_steps, coefficient_type, ns_dtype)
+    out, k = [], 0
+    for d, rows, bs in zip(directions, split_rows, blocks):
+        done, k = flat[k : k + len(bs)], k + len(bs)
+        if rows is None:
+            out.append((done[0], -lr * update_scale(tuple(d.shape), scale_mode, extra_scale_factor)))
+            continue
+        parts = [x.mul_(update_scale(tuple(x.shape), scale_mode, extra_scale_factor)) for x in done]
+        out.append((merge_qkv(parts, rows, tuple(d.shape)), -lr))
+    return out
+
+
 def step(pieces: Sequence[OwnedPiece], ctx: StepContext) -> None:
+    """Batched on CUDA (one launch per stack instead of per matrix); one matrix at a time on a
+    CPU, where a batched product runs the same kernel per entry and measured no gain at hidden
+    512 (benchmarks/bench_batched_ns.py)."""
+    (step_batched if pieces and pieces[0].master.is_cuda else step_per_matrix)(pieces, ctx)
+
+
+@torch.no_grad()
+def step_batched(pieces: Sequence[OwnedPiece], ctx: StepContext) -> None:
+    """:func:`muon_step_` on every owned matrix, with the Newton-Schulz runs batched by shape;
+    each matrix's numbers are those of the per-matrix step (momentum, orthogonalization and
+    update touch only their own matrix)."""
+    kwargs = step_kwargs(ctx)
+    lr, weight_decay = kwargs.pop("lr"), kwargs.pop("weight_decay")
+    momentum, nesterov = kwargs.pop("momentum"), kwargs.pop("nesterov")
+    for p in pieces:
+        if p.master.shape != p.grad.shape or p.master.dim() != 2:
+            raise ValueError(f"muon step needs equal 2D shapes, got {tuple(p.master.shape)}, {tuple(p.grad.shape)}")
+    directions = [momentum_direction_(p.grad, p.state["momentum_buffer"], momentum, nesterov) for p in pieces]
+    updates = batched_updates(directions, [p.split_rows for p in pieces], lr, **kwargs)
+    for p, (update, alpha) in zip(pieces, updates):
+        apply_update_(p.master, update, alpha, lr, weight_decay)
+
+
+def step_per_matrix(pieces: Sequence[OwnedPiece], ctx: StepContext) -> None:
+    """The unbatched step, one :func:`muon_step_` per matrix: the reference for :func:`step`."""
     kwargs = step_kwargs(ctx)
     for p in pieces:
         muon_step_(p.master, p.grad, p.state["momentum_buffer"], qkv_split_shapes=p.split_rows, **kwargs)

@@ -1,0 +1,74 @@
+"""Batched owner math (issue 11, item 4): Newton-Schulz stacked by shape and AdamW with
+foreach kernels give bitwise the numbers of the per-matrix and per-piece loops on CPU."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from megatron_mfsdp.optim import adamw, muon
+from megatron_mfsdp.optim.rule import OwnedPiece, StepContext
+
+# (shape, split rows): square, wide, tall, a QKV with 2 query groups (Q 32 rows, K and V 16
+# per group, so its Q blocks share a shape with the square matrices), and repeats of each.
+SHAPES = [((64, 64), None), ((64, 128), None), ((128, 64), None), ((128, 64), (32, 16, 16)), ((64, 64), None)]
+
+
+def _config(ns_dtype: str, nesterov: bool):
+    return SimpleNamespace(
+        muon_momentum=0.95,
+        muon_use_nesterov=nesterov,
+        muon_num_ns_steps=5,
+        muon_coefficient_type="quintic",
+        muon_ns_dtype=ns_dtype,
+        muon_scale_mode="spectral",
+        muon_extra_scale_factor=0.2,
+        adam_beta1=0.9,
+        adam_beta2=0.95,
+        adam_eps=1e-8,
+    )
+
+
+def _pieces(seed: int, shapes, state_names):
+    g = torch.Generator().manual_seed(seed)
+    pieces = []
+    for i, (shape, rows) in enumerate(shapes):
+        state = {n: torch.randn(shape, generator=g).abs_() * 0.01 for n in state_names}
+        master, grad = torch.randn(shape, generator=g), torch.randn(shape, generator=g)
+        pieces.append(OwnedPiece(f"p{i}", f"p{i}", "r", master.numel(), 0, master, grad, state, rows))
+    return pieces
+
+
+def _tensors(pieces):
+    return [t for p in pieces for t in (p.master, *p.state.values())]
+
+
+@pytest.mark.parametrize("ns_dtype,nesterov", [("fp32", True), ("bf16", False)])
+def test_batched_muon_step_is_bitwise_the_per_matrix_step(ns_dtype, nesterov, monkeypatch):
+    monkeypatch.setattr(muon, "BATCH_ELEMENTS", 3 * 64 * 64)  # also split a shape over two stacks
+    batched, looped = (_pieces(0, SHAPES * 2, ("momentum_buffer",)) for _ in range(2))
+    for step in (1, 2):
+        ctx = StepContext(_config(ns_dtype, nesterov), step, lr=0.02, weight_decay=0.1)
+        muon.step_batched(batched, ctx)
+        muon.step_per_matrix(looped, ctx)
+    assert all(torch.equal(a, b) for a, b in zip(_tensors(batched), _tensors(looped)))
+    assert not torch.equal(batched[0].master, _pieces(0, SHAPES * 2, ())[0].master)  # it did step
+
+
+def test_newton_schulz_batched_matches_each_matrix():
+    x = torch.randn(3, 96, 40)
+    out = muon.newton_schulz_batched(x, 5, "simple", torch.float32)
+    assert all(torch.equal(out[i], muon.newton_schulz(x[i], 5, "simple", torch.float32)) for i in range(3))
+    with pytest.raises(ValueError, match="stack"):
+        muon.newton_schulz_batched(x[0])
+
+
+def test_foreach_adamw_is_bitwise_the_per_piece_loop():
+    shapes = [((n,), None) for n in (7, 64, 1, 300)]
+    foreach, looped = (_pieces(1, shapes, ("exp_avg", "exp_avg_sq")) for _ in range(2))
+    for step in (1, 2, 3):
+        ctx = StepContext(_config("fp32", False), step, lr=1e-3, weight_decay=0.1)
+        adamw.step(foreach, ctx)
+        adamw.step_per_piece(looped, ctx)
+    assert all(torch.equal(a, b) for a, b in zip(_tensors(foreach), _tensors(looped)))
+    adamw.step([], ctx)  # no pieces on this rank: nothing to do
