@@ -16,6 +16,7 @@ from megatron.core.optimizer import OptimizerConfig
 from .optim.muon import NS_COEFFICIENTS, NS_DTYPES, SCALE_MODES
 from .optim.muon_tp import TP_MODES
 from .placement.planner import POLICIES
+from .precision.fp8 import Fp8Config
 
 
 def _check_choice(value, choices, flag: str, what: str) -> None:
@@ -49,9 +50,19 @@ class MatrixFSDPConfig:
     """Before every owner collective, all-gather a 3-integer signature and raise on a mismatch
     instead of hanging. Costs one tiny collective per unit operation."""
 
+    fp8: Fp8Config | None = None
+    """FP8 parameters (--fp8-format with --fp8-param-gather): owners quantize their whole matrices
+    after each step and the gather moves e4m3 bytes plus fp32 scale-inverses; None keeps the dtype."""
+
+    fp8_bf16_layers: tuple[int, int] = (0, 0)
+    """Transformer layers kept in the parameter dtype at the start and at the end
+    (--first-last-layers-bf16 with --num-layers-at-start-in-bf16 / --num-layers-at-end-in-bf16)."""
+
     def __post_init__(self):
         from .optim import registry
 
+        if self.fp8 is not None and self.fp8.fp8_recipe == "delayed" and any(self.fp8_bf16_layers):
+            raise ValueError("--fp8-recipe delayed does not support --first-last-layers-bf16 (as Megatron-LM)")
         _check_choice(self.planner, POLICIES, "--mfsdp-planner", "planner policy")
         for rule in self.param_rules:
             if len(rule) != 2 or rule[1] not in registry.rule_names():

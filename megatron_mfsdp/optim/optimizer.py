@@ -22,6 +22,7 @@ from megatron.core.optimizer import MegatronOptimizer, OptimizerConfig
 from ..compat.cpu import cuda_on_cpu
 from ..groups import group_rank, group_size
 from ..placement.rules import WHOLE
+from ..precision import new_fp8_state, quantization_error
 from . import registry
 from .rule import OwnedPiece, StepContext, UpdateRule
 
@@ -40,6 +41,23 @@ def no_weight_decay(name: str, shape) -> bool:
     return name.endswith(".bias") or len(shape) == 1
 
 
+class _Fp8Unit:
+    """A unit whose segment holds FP8 matrices as bytes: its fp32 master segment (element layout),
+    the per-matrix FP8 state (delayed scaling's history and scale) and the optimizer keys."""
+
+    def __init__(self, unit, master: torch.Tensor, config):
+        self.codec, self.segment, self.master, self.config = unit.codec, unit.param_segment, master, config
+        self.keys: dict[str, str] = {}  # FP8 matrix name -> its OwnedPiece key
+        self.states: dict[str, dict[str, torch.Tensor]] = {}
+
+    def add(self, name: str, key: str) -> None:
+        self.keys[name] = key
+        self.states[name] = new_fp8_state(self.config, self.master.device)
+
+    def encode(self, advance: bool) -> dict:
+        return self.codec.encode(self.segment, self.master, self.states, advance)
+
+
 class MatrixFSDPOptimizer(MegatronOptimizer):
     """fp32 masters, global grad-norm clipping and fp16 loss scaling around the update
     rules of the pieces this rank owns."""
@@ -55,6 +73,9 @@ class MatrixFSDPOptimizer(MegatronOptimizer):
         self.tp_group = groups.tp
         self.step_count = 0
         self._masters: list[tuple[torch.Tensor, torch.Tensor]] = []  # (model segment, fp32 master)
+        self._fp8_units: list[_Fp8Unit] = []  # units whose matrices the owner quantizes (precision/)
+        self.fp8_track_error = False  # set before a step to measure FP8 rounding against the update
+        self.fp8_errors: dict[str, float] = {}
         param_groups = self._param_groups(config)
         for chunk in model_chunks:
             self._add_pieces(config, chunk, param_groups)
@@ -65,6 +86,7 @@ class MatrixFSDPOptimizer(MegatronOptimizer):
         super().__init__(holder, config)
         self.is_stub_optimizer = False
         self.grad_scaler = self._grad_scaler(config)
+        self.rederive_fp8_payload(first=True)
 
     # ------------------------------------------------------------- set-up
     def _rule_of(self, slot, param) -> UpdateRule:
@@ -113,8 +135,7 @@ class MatrixFSDPOptimizer(MegatronOptimizer):
         primary_replica = group_rank(chunk.groups.replica) == 0
         for unit in chunk.units:
             params = {slot.name: p for slot, p in unit.params}
-            master = unit.param_segment if unit.param_segment.dtype == torch.float32 else unit.param_segment.float()
-            self._masters.append((unit.param_segment, master))
+            master = self._seed_master(unit, chunk)
             for piece in unit.pieces:
                 slot, param = piece.slot, params[piece.slot.name]
                 rule = self._rule_of(slot, param)
@@ -137,6 +158,25 @@ class MatrixFSDPOptimizer(MegatronOptimizer):
                 if rule.check is not None:
                     rule.check(owned, config)
                 param_groups[self._group_key(config, slot, param)]["params"].append(owned)
+                if unit.codec is not None and unit.codec.records[slot.name].fp8 and rule.storage == WHOLE:
+                    self._fp8_units[-1].add(slot.name, owned.key)
+
+    def _seed_master(self, unit, chunk) -> torch.Tensor:
+        """The fp32 master of a unit's segment: the segment itself for fp32 parameters, else a copy;
+        a unit with FP8 matrices seeds it from its high-precision initial weights, never from FP8."""
+        if unit.codec is None:
+            master = unit.param_segment if unit.param_segment.dtype == torch.float32 else unit.param_segment.float()
+            self._masters.append((unit.param_segment, master))
+            return master
+        if unit.initial_values is None:
+            raise RuntimeError(
+                f"unit {unit.layout.name}: its FP8 weights already seeded an optimizer's fp32 masters; build "
+                "one MatrixFSDPOptimizer per MatrixFSDP chunk (masters are never seeded from FP8)"
+            )
+        master = unit.initial_values.float().clone()
+        unit.initial_values = None  # the masters hold the weights from here on
+        self._fp8_units.append(_Fp8Unit(unit, master, chunk.ddp_config.fp8))
+        return master
 
     @staticmethod
     def _grad_scaler(config):
@@ -171,10 +211,35 @@ class MatrixFSDPOptimizer(MegatronOptimizer):
             for unit in chunk.units:
                 yield unit.grad_segment
 
-    def _sync_model_from_masters(self) -> None:
+    def _sync_model_from_masters(self, after_step: bool = False, before=None) -> None:
         for model_segment, master in self._masters:
             if model_segment is not master:
                 model_segment.copy_(master)
+        if after_step:
+            self._quantize_after_step(before)
+        else:
+            self.rederive_fp8_payload()
+
+    @torch.no_grad()
+    def rederive_fp8_payload(self, first: bool = False) -> None:
+        """Rewrite every FP8 segment (payload, scale-inverses, tail bytes) from the fp32 masters, as a
+        checkpoint load must: the payload is never saved. Delayed scaling reuses the scale each payload
+        was made with (saved with the optimizer state), so the bytes equal those before the save.
+        ``first`` (at construction) is the first quantization: delayed scaling records its amax."""
+        for unit in self._fp8_units:
+            unit.encode(advance=first)
+
+    def _quantize_after_step(self, before) -> None:
+        """The owner quantizes its updated matrices from the fp32 masters (no collective); given the
+        masters ``before`` the step, it also measures ||Q(W) - W|| / ||update|| per matrix."""
+        for i, unit in enumerate(self._fp8_units):
+            made = unit.encode(advance=True)
+            if before is None:
+                continue
+            for name, weight in made.items():
+                master = unit.codec.owned_view(unit.master, name)
+                update = master - unit.codec.owned_view(before[i], name)
+                self.fp8_errors[unit.keys[name]] = quantization_error(master, weight, update).item()
 
     @torch.no_grad()
     def _grad_stats(self) -> tuple[bool, float, float | None]:
@@ -231,11 +296,12 @@ class MatrixFSDPOptimizer(MegatronOptimizer):
     @torch.no_grad()
     def step_with_ready_grads(self) -> bool:
         self.step_count += 1
+        before = [u.master.clone() for u in self._fp8_units] if self.fp8_track_error else None
         for group in self.optimizer.param_groups:
             if group["params"]:
                 ctx = StepContext(self.config, self.step_count, group["lr"], group["weight_decay"], self.tp_group)
                 registry.get(group["optimizer"]).step(group["params"], ctx)
-        self._sync_model_from_masters()
+        self._sync_model_from_masters(after_step=True, before=before)
         return True
 
     @torch.no_grad()
@@ -260,7 +326,8 @@ class MatrixFSDPOptimizer(MegatronOptimizer):
             chunk.zero_grad_buffer()
 
     def reload_model_params(self, state_dict=None):
-        """Refresh fp32 masters from the model's segments (after loading weights)."""
+        """Refresh fp32 masters from the model's segments (after loading weights). Units with FP8
+        matrices are skipped: their segments hold FP8, and masters are never seeded from FP8."""
         for model_segment, master in self._masters:
             if model_segment is not master:
                 master.copy_(model_segment)
@@ -279,7 +346,15 @@ class MatrixFSDPOptimizer(MegatronOptimizer):
             "master": {owned.key: owned.master.clone() for _, owned in self._pieces()},
             "state": {key: {k: v.clone() for k, v in st.items()} for key, st in self.optimizer.state.items()},
             "grad_scaler": self.grad_scaler.state_dict() if self.grad_scaler is not None else None,
+            "fp8": {key: {k: v.clone() for k, v in st.items()} for key, st in self._fp8_states()},
         }
+
+    def _fp8_states(self):
+        """(piece key, FP8 state) of every owned FP8 matrix that keeps one (delayed scaling)."""
+        for unit in self._fp8_units:
+            for name, key in unit.keys.items():
+                if unit.states[name]:
+                    yield key, unit.states[name]
 
     @torch.no_grad()
     def load_state_dict(self, state_dict):
@@ -295,6 +370,9 @@ class MatrixFSDPOptimizer(MegatronOptimizer):
             owned.master.copy_(state_dict["master"][owned.key])
             for k, v in state_dict["state"][owned.key].items():
                 owned.state[k].copy_(v)
+        for key, st in self._fp8_states():
+            for k, v in state_dict["fp8"][key].items():
+                st[k].copy_(v)
         self._sync_model_from_masters()
         if self.grad_scaler is not None and state_dict.get("grad_scaler") is not None:
             with cuda_on_cpu():
@@ -325,6 +403,10 @@ class MatrixFSDPOptimizer(MegatronOptimizer):
                     global_offset=(owned.param_offset,),
                     axis_fragmentations=None,
                 )
+        for key, st in self._fp8_states():  # a whole matrix's small state lives on its owner alone
+            name = key.rsplit("@", 1)[0]
+            for tag, tensor in sorted(st.items()):
+                sharded[f"fp8_{tag}.{key}"] = ShardedTensor.from_rank_offsets(f"optimizer.fp8_{tag}.{name}", tensor)
         sharded["step"] = ShardedObject("optimizer.step", self.step_count, (1,), (0,), replica_id=dist.get_rank())
         return sharded
 
@@ -336,13 +418,20 @@ class MatrixFSDPOptimizer(MegatronOptimizer):
                 value = loaded[f"{tag}.{owned.key}"]
                 if value.data_ptr() != tensor.data_ptr():
                     tensor.view(-1).copy_(value)
+        for key, st in self._fp8_states():
+            for tag, tensor in st.items():
+                value = loaded[f"fp8_{tag}.{key}"]
+                if value.data_ptr() != tensor.data_ptr():
+                    tensor.copy_(value)
         self._sync_model_from_masters()
         self.step_count = loaded["step"]
 
     def local_bytes(self) -> dict[str, int]:
         """Bytes this rank holds for the optimizer (masters beyond fp32 params, states)."""
         masters = sum(m.numel() * 4 for seg, m in self._masters if seg is not m)
+        masters += sum(u.master.numel() * 4 for u in self._fp8_units)
         states = sum(t.numel() * t.element_size() for st in self.optimizer.state.values() for t in st.values())
+        states += sum(t.numel() * t.element_size() for _, st in self._fp8_states() for t in st.values())
         return {"masters": masters, "optimizer_state": states}
 
 

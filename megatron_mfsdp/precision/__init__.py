@@ -10,20 +10,33 @@ from .fp8 import (
     Fp8Config,
     Fp8Weight,
     check_shape,
+    delayed_scale,
     dequantize,
     from_uint8_bytes,
     new_delayed_state,
     packed_nbytes,
     quantization_error,
     quantize,
+    quantize_with_scale,
     record_amax,
     scale_from_amax,
     scale_inv_shape,
     to_uint8_bytes,
     weight_amax,
 )
+from .segments import ByteRecord, UnitCodec, fp8_slot_names, in_bf16_layers, new_fp8_state
+from .te import te_available, te_float8_weight
 
 __all__ = [
+    "ByteRecord",
+    "UnitCodec",
+    "delayed_scale",
+    "fp8_slot_names",
+    "in_bf16_layers",
+    "new_fp8_state",
+    "quantize_with_scale",
+    "te_available",
+    "te_float8_weight",
     "AMAX_COMPUTE_ALGOS",
     "BLOCK",
     "E4M3_MAX",

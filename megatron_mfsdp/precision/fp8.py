@@ -213,16 +213,26 @@ def record_amax(state: torch.Tensor, amax: torch.Tensor, config: Fp8Config) -> N
     state[:1] = _delayed_rule(used, _stored_scale(state), config)
 
 
+def delayed_scale(master: torch.Tensor, config: Fp8Config, state: torch.Tensor) -> torch.Tensor:
+    """The (1,) scale the next delayed quantization of ``master`` uses, without changing ``state``.
+    A fresh state takes its first scale from this weight rather than TE's initial 1, so the
+    first forward is not quantized with scale 1; afterwards the scale is the delayed one."""
+    amax = weight_amax(master).to(state.device)
+    first = _delayed_rule(amax.reshape(1), torch.ones(1, device=state.device), config)
+    return torch.where(state[:1] == 0, first, state[:1])
+
+
+def quantize_with_scale(master: torch.Tensor, scale: torch.Tensor, recipe: str = "delayed") -> Fp8Weight:
+    """Per-tensor quantization with a given fp32 scale: how a delayed-scaling payload is re-derived
+    from its master after a checkpoint load, with the scale it was made with."""
+    return _per_tensor(master, scale.to(master.device), recipe)
+
+
 def _delayed(master: torch.Tensor, config: Fp8Config, state: torch.Tensor | None) -> Fp8Weight:
     if state is None:
         raise ValueError("--fp8-recipe delayed keeps an amax history per matrix: pass state=new_delayed_state(config)")
-    amax = weight_amax(master).to(state.device)
-    # A fresh state takes its first scale from this weight rather than TE's initial 1, so the
-    # first forward is not quantized with scale 1; afterwards the scale is the delayed one.
-    first = _delayed_rule(amax.reshape(1), torch.ones(1, device=state.device), config)
-    scale = torch.where(state[:1] == 0, first, state[:1])
-    quantized = _per_tensor(master, scale.to(master.device), "delayed")
-    record_amax(state, amax, config)
+    quantized = _per_tensor(master, delayed_scale(master, config, state).to(master.device), "delayed")
+    record_amax(state, weight_amax(master).to(state.device), config)
     return quantized
 
 

@@ -28,6 +28,7 @@ from ..optim import registry
 from ..placement.layout import ParamSpec, Plan, UnitLayout, UnitSpec
 from ..placement.planner import plan_units
 from ..placement.verify import verify_plan_agreement
+from ..precision import UnitCodec, fp8_slot_names, new_fp8_state, te_available, te_float8_weight
 from .comm import SegmentComm, all_reduce_flat
 
 
@@ -49,6 +50,13 @@ class _UnitState:
         self.held_for_backward = False
         self.grads_seen = 0
         self.grad_params = sum(1 for _, p in self.params if p.requires_grad)
+        self.codec: UnitCodec | None = None  # FP8 matrices: the segment holds bytes (precision/segments.py)
+        self.initial_values: torch.Tensor | None = None  # FP8: the initial weights, until masters are seeded
+
+    @property
+    def wire(self) -> UnitLayout:
+        """The layout the gather moves: elements, or bytes when the unit holds FP8 matrices."""
+        return self.layout if self.codec is None else self.codec.wire
 
 
 def unit_specs(units: list[ModelUnit], ddp_config: MatrixFSDPConfig, adapter: ModelAdapter, config) -> list[UnitSpec]:
@@ -115,7 +123,10 @@ class MatrixFSDP(torch.nn.Module):
             _UnitState(u, layout, self.dp_rank, self.param_dtype, grad_dtype, self.device)
             for u, layout in zip(units, self.plan.units)
         ]
+        self._materialize_fp8 = None  # TE's FP8 tensor on a GPU with TE; None dequantizes
         self._shard_initial_weights()
+        if ddp_config.fp8 is not None:
+            self._use_fp8(ddp_config, getattr(config, "num_layers", 0))
         self._install_hooks()
 
     # ------------------------------------------------------------------ setup
@@ -133,6 +144,22 @@ class MatrixFSDP(torch.nn.Module):
             for _, p in state.params:
                 p.data = self._empty
                 p.grad = None
+
+    @torch.no_grad()
+    def _use_fp8(self, ddp_config: MatrixFSDPConfig, num_layers: int) -> None:
+        """Units with FP8 matrices keep a byte segment, encoded here from the initial weights (the
+        optimizer seeds its fp32 masters from ``initial_values``, never from FP8, and re-encodes)."""
+        for state in self.units:
+            names = fp8_slot_names(state.layout, self.global_names, num_layers, ddp_config.fp8_bf16_layers)
+            if not names:
+                continue
+            state.codec = UnitCodec(state.layout, self.dp_rank, names, ddp_config.fp8, self.param_dtype)
+            state.initial_values = state.param_segment
+            state.param_segment = torch.empty(state.codec.segment_nbytes(), dtype=torch.uint8, device=self.device)
+            fresh = {name: new_fp8_state(ddp_config.fp8, self.device) for name in names}
+            state.codec.encode(state.param_segment, state.initial_values.float(), fresh, advance=True)
+        use_te = te_available() and self.device.type == "cuda"
+        self._materialize_fp8 = te_float8_weight if use_te else None
 
     def _install_hooks(self) -> None:
         """Acquire before the first module of a unit, release after the last;
@@ -203,17 +230,22 @@ class MatrixFSDP(torch.nn.Module):
             return
         state = self.units[index]
         if state.full is None and state.pending is None:
-            state.pending = self.comm.start_gather(state.layout, state.param_segment)
+            state.pending = self.comm.start_gather(state.wire, state.param_segment)
 
     def _acquire(self, state: _UnitState) -> None:
         if state.full is not None:
             return
         pending = (
-            state.pending if state.pending is not None else self.comm.start_gather(state.layout, state.param_segment)
+            state.pending if state.pending is not None else self.comm.start_gather(state.wire, state.param_segment)
         )
         state.pending = None
         full = pending.wait()
         state.full = full
+        if state.codec is not None:  # every rank dequantizes the owners' bytes identically
+            values = state.codec.decode(full, self._materialize_fp8)
+            for slot, p in state.params:
+                p.data = values[slot.name]
+            return
         for slot, p in state.params:
             p.data = full[slot.offset : slot.offset + slot.numel].view(slot.shape)
 
@@ -299,8 +331,11 @@ class MatrixFSDP(torch.nn.Module):
         gathered from the owners' segments. Collective."""
         out = []
         for state in self.units:
-            segment = state.param_segment if which == "param" else state.grad_segment
-            out.append(self.comm.start_gather(state.layout, segment).wait())
+            if which == "param":
+                full = self.comm.start_gather(state.wire, state.param_segment).wait()
+                out.append(full if state.codec is None else state.codec.decode_flat(full))
+            else:
+                out.append(self.comm.start_gather(state.layout, state.grad_segment).wait())
         return out
 
     def local_bytes(self) -> dict[str, int]:

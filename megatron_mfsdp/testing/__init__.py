@@ -4,7 +4,7 @@ Muon baselines (baselines)."""
 
 from .reference import assemble_optimizer_state, reference_train
 from .tiny import MBS, SEQ, VOCAB, init_megatron, lm_loss, micro_batch, optimizer_config, tiny_gpt, tiny_gpt_config
-from .workers import CallLog, count_collectives, free_port, run_workers
+from .workers import Call, CallLog, count_collectives, free_port, run_workers
 
 __all__ = [
     "assemble_optimizer_state",
@@ -18,6 +18,7 @@ __all__ = [
     "optimizer_config",
     "tiny_gpt",
     "tiny_gpt_config",
+    "Call",
     "CallLog",
     "count_collectives",
     "free_port",

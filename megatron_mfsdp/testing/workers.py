@@ -246,8 +246,25 @@ def _run_fresh(world_size: int, fn: Callable, args: tuple, threads: int, timeout
         return _collect(out_dir, world_size, f"exit codes {[p.exitcode for p in procs]}, timeout {timeout}s")
 
 
+class Call(tuple):
+    """One collective call: compares as ``(name, tensor elements)``, and also carries ``nbytes``
+    (elements times element size, over every tensor argument) and ``dtypes`` (in argument order)."""
+
+    def __new__(cls, name: str, numel: int, nbytes: int = 0, dtypes: tuple = ()):
+        call = super().__new__(cls, (name, numel))
+        call.nbytes, call.dtypes = nbytes, tuple(dtypes)
+        return call
+
+    def __reduce__(self):
+        return Call, (self[0], self[1], self.nbytes, self.dtypes)
+
+    @property
+    def name(self) -> str:
+        return self[0]
+
+
 class CallLog(list):
-    """(name, tensor elements passed) per collective call, in call order."""
+    """A :class:`Call` (name, tensor elements; ``nbytes``, ``dtypes``) per collective call, in call order."""
 
     def summary(self):
         """(number of calls other than barriers, {name: (calls, elements)})."""
@@ -257,6 +274,14 @@ class CallLog(list):
             c, e = by_name.get(n, (0, 0))
             by_name[n] = (c + 1, e + k)
         return len(tensor_calls), by_name
+
+    def bytes_by(self, name: str, dtype: torch.dtype | None = None) -> int:
+        """Bytes passed to the calls of one collective, optionally only those whose tensors have ``dtype``."""
+        return sum(c.nbytes for c in self if c[0] == name and (dtype is None or dtype in c.dtypes))
+
+    def calls_of(self, name: str) -> int:
+        """Number of calls of one collective."""
+        return sum(1 for c in self if c[0] == name)
 
 
 class count_collectives:
@@ -273,8 +298,10 @@ class count_collectives:
             self._saved[name] = fn
 
             def wrapper(*args, _name=name, _fn=fn, **kwargs):
-                numel = sum(a.numel() for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor))
-                self.calls.append((_name, numel))
+                tensors = [a for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor)]
+                numel = sum(t.numel() for t in tensors)
+                nbytes = sum(t.numel() * t.element_size() for t in tensors)
+                self.calls.append(Call(_name, numel, nbytes, tuple(t.dtype for t in tensors)))
                 return _fn(*args, **kwargs)
 
             setattr(dist, name, wrapper)
