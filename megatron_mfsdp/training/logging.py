@@ -181,3 +181,24 @@ def plot_loss_curve(history: dict, path: str) -> None:
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
+
+
+def fp8_error_line(optimizer, groups) -> str:
+    """FP8 rounding against the last logged update, per matrix: ||Q(W) - W||_F / ||dW||_F from each
+    matrix's owner (above 1 the rounding outweighs the update). Collective: every rank sends its own."""
+    mine = {}
+    for key, value in getattr(optimizer, "fp8_errors", {}).items():
+        name = key.rsplit("@", 1)[0]
+        mine[name if groups.tp_size == 1 else f"{name}[tp{group_rank(groups.tp)}]"] = value
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    merged = dict(sorted((k, v) for rank_errors in everyone for k, v in rank_errors.items()))
+    if not merged:
+        return " fp8 quantization error / update: no FP8 matrix measured yet"
+    values = sorted(merged.values())
+    worst = max(merged, key=merged.get)
+    per_matrix = " ".join(f"{k}={v:.3f}" for k, v in merged.items())
+    return (
+        f" fp8 quantization error / update: max {values[-1]:.3f} ({worst}) | median {values[len(values) // 2]:.3f}"
+        f" over {len(values)} matrices | {per_matrix}"
+    )

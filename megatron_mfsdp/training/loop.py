@@ -220,6 +220,8 @@ def _log(args, run, writers, timers, iteration: int, interval: _Interval, gbs: i
             extra,
         )
     )
+    if args.log_params_norm and getattr(args, "fp8_param_gather", False):
+        logging.print_rank_last(logging.fp8_error_line(run.optimizer, run.groups))
     if args.timing_log_level >= 1:
         from ..compat.cpu import cuda_on_cpu
 
@@ -283,6 +285,8 @@ def _train(args, run, start_iteration: int, writers, start_time: float) -> dict:
         profiler.step(iteration)
         gbs, num_micro = schedule.current_batch(run.consumed_train)
         iteration += 1
+        if hasattr(run.optimizer, "fp8_track_error"):  # FP8 rounding against the update, at log iterations
+            run.optimizer.fp8_track_error = bool(args.log_params_norm) and iteration % args.log_interval == 0
         loss, success, grad_norm, zeros, step_s = steps.train_step(args, run, iteration, num_micro)
         run.scheduler.step(increment=gbs)
         run.consumed_train += gbs

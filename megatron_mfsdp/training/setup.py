@@ -39,7 +39,21 @@ def runtime_config(args) -> MatrixFSDPConfig:
         muon_split_qkv=args.muon_split_qkv,
         verify_collectives=args.mfsdp_verify_collectives,
         grad_reduce_in_fp32=args.accumulate_allreduce_grads_in_fp32 or not low_precision,
+        **fp8_runtime_fields(args),
     )
+
+
+def fp8_runtime_fields(args) -> dict:
+    """FP8 parameters (validate_fp8 kept --fp8-format only with --use-matrix-fsdp --fp8-param-gather)."""
+    from ..precision import Fp8Config
+
+    fp8 = Fp8Config.from_args(args) if getattr(args, "fp8_param_gather", False) else None
+    if fp8 is None:
+        return {}
+    bf16_layers = (
+        (args.num_layers_at_start_in_bf16, args.num_layers_at_end_in_bf16) if args.first_last_layers_bf16 else (0, 0)
+    )
+    return {"fp8": fp8, "fp8_bf16_layers": bf16_layers}
 
 
 def _same_named(cls, args, **overrides) -> dict:

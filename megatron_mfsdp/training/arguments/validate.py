@@ -156,12 +156,80 @@ def validate_precision(args) -> None:
         args.accumulate_allreduce_grads_in_fp32 = False
     elif args.bf16:
         args.accumulate_allreduce_grads_in_fp32 = True
-    if args.fp8 is not None or args.fp8_param_gather:
-        args.notices.append(
-            f"--fp8-format {args.fp8} / --fp8-param-gather: FP8 training is not in megatron-mfsdp yet (planned: "
-            f"the owner quantizes its own matrices); this run computes in {'bf16' if args.bf16 else 'the given dtype'}"
+    validate_fp8(args)
+
+
+def validate_fp8(args) -> None:
+    """FP8 parameters quantized by their owners (precision/): what cannot work fails here, before any work."""
+    if args.fp8 is None:
+        if args.fp8_param_gather:
+            _fail("--fp8-param-gather needs --fp8-format (as Megatron-LM: FP8 parameters need FP8 mode)")
+        return
+    if not args.use_matrix_fsdp:
+        _fail(
+            f"--fp8-format {args.fp8} needs --use-matrix-fsdp: Megatron's own FP8 path runs inside Transformer "
+            "Engine on CUDA (not available here, and not wired into megatron-mfsdp); with --use-matrix-fsdp "
+            "--fp8-param-gather each owner quantizes its own matrices"
         )
-        args.fp8, args.fp8_param_gather = None, False
+    if not args.bf16:
+        _fail(f"--fp8-format {args.fp8} needs --bf16: FP8 weights are cast from bf16 and the rest computes in bf16")
+    if args.optimizer != "muon":
+        _fail(
+            f"--fp8-format with --use-matrix-fsdp and --optimizer {args.optimizer}: owners quantize the matrices "
+            "they hold whole, which needs --optimizer muon (split matrices would need an amax all-reduce)"
+        )
+    from ...precision import Fp8Config, check_shape
+
+    try:
+        config = Fp8Config.from_args(args)
+    except (NotImplementedError, ValueError) as err:
+        _fail(str(err))
+    _validate_bf16_layers(args, config)
+    if config.fp8_recipe == "blockwise" and _has_fp8_layers(args):
+        for name, shape in _tp_local_matrix_shapes(args).items():
+            try:
+                check_shape(shape, "blockwise", name)
+            except ValueError as err:
+                _fail(f"{err} (--hidden-size, --ffn-hidden-size, --kv-channels, --tensor-model-parallel-size)")
+    if not args.fp8_param_gather:
+        args.notices.append(
+            f"--fp8-format {args.fp8} without --fp8-param-gather: weights stay and travel in bf16 and FP8 GEMMs "
+            "need Transformer Engine on CUDA; this run computes in bf16 (add --fp8-param-gather for FP8 weights)"
+        )
+        args.fp8 = None
+
+
+def _validate_bf16_layers(args, config) -> None:
+    if not args.first_last_layers_bf16:
+        return
+    if config.fp8_recipe == "delayed":
+        _fail("--fp8-recipe delayed does not support --first-last-layers-bf16 (as Megatron-LM)")
+    per_stage = args.num_layers // args.pipeline_model_parallel_size
+    for flag, value in (
+        ("--num-layers-at-start-in-bf16", args.num_layers_at_start_in_bf16),
+        ("--num-layers-at-end-in-bf16", args.num_layers_at_end_in_bf16),
+    ):
+        if value > per_stage:
+            _fail(f"{flag} {value} must be between 0 and the layers per pipeline stage ({per_stage})")
+
+
+def _has_fp8_layers(args) -> bool:
+    if not args.first_last_layers_bf16:
+        return True
+    return args.num_layers_at_start_in_bf16 + args.num_layers_at_end_in_bf16 < args.num_layers
+
+
+def _tp_local_matrix_shapes(args) -> dict:
+    """(rows, cols) of each transformer-layer matrix on one TP rank (megatron's column/row split)."""
+    tp, heads, kv = args.tensor_model_parallel_size, args.num_attention_heads, args.kv_channels
+    groups = args.num_query_groups if args.group_query_attention else heads
+    ffn_out = args.ffn_hidden_size * (2 if args.swiglu else 1)
+    return {
+        "linear_qkv.weight": ((heads + 2 * groups) * kv // tp, args.hidden_size),
+        "linear_proj.weight": (args.hidden_size, heads * kv // tp),
+        "linear_fc1.weight": (ffn_out // tp, args.hidden_size),
+        "linear_fc2.weight": (args.hidden_size, args.ffn_hidden_size // tp),
+    }
 
 
 def validate_schedule(args) -> None:
