@@ -229,6 +229,12 @@ class MatrixFSDPOptimizer(MegatronOptimizer):
         for unit in self._fp8_units:
             unit.encode(advance=first)
 
+    def fp8_matrices(self):
+        """(piece key, fp32 master view, current FP8 weight) of every FP8 matrix this rank owns."""
+        for unit in self._fp8_units:
+            for name, key in unit.keys.items():
+                yield key, unit.codec.owned_view(unit.master, name), unit.codec.owned_weight(unit.segment, name)
+
     def _quantize_after_step(self, before) -> None:
         """The owner quantizes its updated matrices from the fp32 masters (no collective); given the
         masters ``before`` the step, it also measures ||Q(W) - W|| / ||update|| per matrix."""

@@ -171,6 +171,12 @@ class UnitCodec:
         rec = self.records[name]
         return from_uint8_bytes(full[rec.offset : rec.offset + rec.nbytes], rec.slot.shape, self.config.fp8_recipe)
 
+    def owned_weight(self, segment: torch.Tensor, name: str) -> Fp8Weight:
+        """The FP8 weight of one owned matrix, read from this rank's own byte segment (no gather)."""
+        rec, w0 = self.records[name], self.wire.matrix_range(self.rank)[0]
+        piece = segment[rec.offset - w0 : rec.offset - w0 + rec.nbytes]
+        return from_uint8_bytes(piece, rec.slot.shape, self.config.fp8_recipe)
+
     def decode(self, full: torch.Tensor, materialize=None) -> dict[str, torch.Tensor]:
         """Every parameter of the unit from its gathered bytes: FP8 matrices dequantized to the
         compute dtype (or ``materialize(fp8_weight, dtype)``, e.g. TE's FP8 tensor), the rest as views."""

@@ -505,10 +505,55 @@ def test_ns_dtype_follows_fp32_matmul_prec_when_not_given():
     assert _parse(base + ["--muon-ns-dtype", "fp32", "--muon-fp32-matmul-prec", "low"]).muon_ns_dtype == "fp32"
 
 
-def test_fp8_flags_parse_and_say_not_yet():
-    args = _parse(TINY + ["--bf16", "--fp8-format", "hybrid", "--fp8-amax-history-len", "1024", "--fp8-param-gather"])
-    assert args.fp8 is None and not args.fp8_param_gather
-    assert any("FP8 training is not in megatron-mfsdp yet" in n and "computes in bf16" in n for n in args.notices)
+FP8 = ["--use-matrix-fsdp", "--bf16", "--fp8-format", "hybrid", "--fp8-param-gather"]
+WIDE = [f if f != "64" else "128" for f in TINY]  # hidden 128: TP-local dims divisible by 128
+
+
+def test_fp8_flags_reach_the_runtime_config():
+    from megatron_mfsdp.precision import Fp8Config
+    from megatron_mfsdp.training.setup import runtime_config
+
+    args = _parse(TINY + FP8 + ["--fp8-amax-history-len", "1024", "--fp8-amax-compute-algo", "max"])
+    assert args.fp8 == "hybrid" and args.fp8_param_gather
+    config = runtime_config(args)
+    assert config.fp8 == Fp8Config(fp8="hybrid", fp8_amax_history_len=1024, fp8_amax_compute_algo="max")
+    assert config.fp8_bf16_layers == (0, 0)
+    args = _parse(
+        WIDE + FP8 + ["--fp8-recipe", "blockwise", "--first-last-layers-bf16", "--num-layers-at-end-in-bf16", "0"]
+    )
+    assert runtime_config(args).fp8_bf16_layers == (1, 0)
+
+
+def test_fp8_without_param_gather_computes_in_bf16_with_a_notice():
+    args = _parse(TINY + ["--use-matrix-fsdp", "--bf16", "--fp8-format", "e4m3"])
+    assert args.fp8 is None
+    assert any("without --fp8-param-gather" in n and "computes in bf16" in n for n in args.notices)
+
+
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (["--bf16", "--fp8-format", "e4m3", "--fp8-param-gather"], "needs --use-matrix-fsdp: Megatron's own FP8 path"),
+        (["--use-matrix-fsdp", "--fp8-format", "e4m3", "--fp8-param-gather"], "--fp8-format e4m3 needs --bf16"),
+        (["--use-matrix-fsdp", "--bf16", "--fp8-param-gather"], "--fp8-param-gather needs --fp8-format"),
+        (FP8 + ["--fp8-recipe", "mxfp8"], "MXFP8 scales 1x32 blocks"),
+        (FP8 + ["--first-last-layers-bf16"], "--fp8-recipe delayed does not support --first-last-layers-bf16"),
+        (
+            FP8 + ["--fp8-recipe", "tensorwise", "--first-last-layers-bf16", "--num-layers-at-start-in-bf16", "3"],
+            "--num-layers-at-start-in-bf16 3 must be between 0 and the layers per pipeline stage (2)",
+        ),
+        (FP8 + ["--fp8-recipe", "blockwise"], "linear_qkv.weight has TP-local shape (128, 64): dimension 1 (64)"),
+        (FP8 + ["--optimizer", "adam"], "needs --optimizer muon"),
+    ],
+)
+def test_fp8_errors_before_any_work(flags, message, capsys):
+    assert message in _error(TINY + flags, capsys)
+
+
+def test_fp8_blockwise_checks_the_tp_local_shape(capsys):
+    flags = WIDE + FP8 + ["--fp8-recipe", "blockwise", "--tensor-model-parallel-size", "2"]
+    assert "linear_proj.weight has TP-local shape (128, 64)" in _error(flags, capsys, world_size=2)
+    _parse(WIDE + FP8 + ["--fp8-recipe", "blockwise"])  # 128 on one TP rank is fine
 
 
 def test_device_fallbacks_are_noticed():
