@@ -28,7 +28,8 @@ MODEL = [
     "--lr-decay-style", "cosine", "--lr-warmup-iters", "5", "--optimizer", "muon", "--muon-momentum", "0.95",
     "--muon-use-nesterov", "--muon-extra-scale-factor", "0.2", "--muon-ns-dtype", "fp32", "--clip-grad", "1.0",
     "--hidden-dropout", "0", "--attention-dropout", "0", "--seed", "1234", "--num-workers", "0",
-    "--eval-iters", "1", "--eval-interval", "1000", "--disable-jit-fuser", "--distributed-backend", "gloo", "--use-matrix-fsdp", "--bf16",
+    "--eval-iters", "1", "--eval-interval", "1000", "--disable-jit-fuser", "--distributed-backend", "gloo",
+    "--use-matrix-fsdp", "--bf16",
 ]  # fmt: skip
 RUNS = {
     "bf16": [],

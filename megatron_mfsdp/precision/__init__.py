@@ -1,5 +1,6 @@
 """Low-precision weights: the owner of a whole matrix quantizes it to FP8 after the optimizer
-step, the gather moves the bytes, and every rank dequantizes them identically (fp8.py)."""
+step (fp8.py), its segment holds the bytes and the gather moves them (segments.py), and every
+rank dequantizes them identically, or builds TE's FP8 tensor on a GPU (te.py)."""
 
 from .fp8 import (
     AMAX_COMPUTE_ALGOS,
