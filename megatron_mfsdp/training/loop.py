@@ -85,7 +85,9 @@ def prepare_data(args):
         f"{args.padded_vocab_size - tokenizer.vocab_size} dummy tokens (new size: {args.padded_vocab_size})"
     )
     train = args.train_samples or args.train_iters * args.global_batch_size
-    evals = (args.train_iters // args.eval_interval + 1) * args.eval_iters
+    # Megatron-LM's count (training.py build_train_valid_test_data_loaders); without --eval-interval
+    # (its default is None at core_v0.16.1, where this line raises) only the final evaluation runs.
+    evals = ((args.train_iters // args.eval_interval if args.eval_interval else 0) + 1) * args.eval_iters
     per_split = [args.train_data_path, args.valid_data_path, args.test_data_path]
     datasets = build_train_valid_test_datasets(
         [train, evals * args.global_batch_size, args.eval_iters * args.global_batch_size],

@@ -49,8 +49,10 @@ def test_a_nan_loss_stops_the_run_naming_iteration_and_rank(tmp_path):
 
 def test_eval_iters_0_wsd_decay_and_exit_interval(tmp_path):
     """--eval-iters 0 (no evaluation at all), WSD decay and --exit-interval together, the
-    first two of which crashed before; training stops after iteration 4 of 6."""
-    flags = [*TINY, "--use-matrix-fsdp", "--train-iters", "6", "--eval-iters", "0"]
+    first two of which crashed before (as did leaving out --eval-interval, whose default is
+    None as in Megatron-LM); training stops after iteration 4 of 6."""
+    at = TINY.index("--eval-interval")
+    flags = [*TINY[:at], *TINY[at + 2 :], "--use-matrix-fsdp", "--train-iters", "6", "--eval-iters", "0"]
     flags += ["--lr-decay-style", "WSD", "--lr-wsd-decay-style", "linear", "--lr-wsd-decay-iters", "3"]
     first, result = pretrain_in_workers(2, *flags, "--exit-interval", "4", tmp_path=tmp_path, rank=None)
     assert re.search(r"\[exiting program at iteration 4\] datetime: \d{4}-\d\d-\d\d [\d:.]+ ", first["stdout"])
