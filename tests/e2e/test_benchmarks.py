@@ -78,6 +78,7 @@ def test_scaling_model_quick(tmp_path):
     fan = re.search(r"^FANOUT model=gpt25.8B latency_exceeds_bandwidth_W=(\d+)", out, re.M)
     assert fan and 8 < int(fan.group(1)) <= 128, out[-3000:]
     # hybrid sharding at that W: the gather's fan-out and the owners' reduction both shrink
-    h = re.search(r"^HYBRID .*gather_lat_ms full=([\d.]+) hybrid=([\d.]+) reduce_ms full=([\d.]+) hybrid=([\d.]+)", out, re.M)
+    num = r"([\d.]+)"
+    h = re.search(rf"^HYBRID .*gather_lat_ms full={num} hybrid={num} reduce_ms full={num} hybrid={num}", out, re.M)
     assert float(h.group(2)) < float(h.group(1)) and float(h.group(4)) < float(h.group(3)), h.group(0)
     assert png.stat().st_size > 10_000
