@@ -52,7 +52,7 @@ else
         exit 2
     fi
 fi
-NPROC=$(nproc)
+NPROC=$("$PY" -c 'import os; print(len(os.sched_getaffinity(0)))')  # nproc honours OMP_NUM_THREADS
 
 run_step env 30 "$PY" -c '
 import importlib.util, torch
