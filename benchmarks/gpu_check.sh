@@ -72,7 +72,7 @@ fi
 PRETRAIN=(pretrain_gpt.py --use-matrix-fsdp --optimizer muon --bf16 --distributed-backend nccl
     --num-layers 2 --hidden-size 128 --num-attention-heads 4 --seq-length 128 --max-position-embeddings 128
     --hidden-dropout 0 --attention-dropout 0 --micro-batch-size 2 --train-iters 20 --lr 3e-3
-    --lr-warmup-iters 2 --log-interval 5 --eval-iters 0 --seed 1234)
+    --lr-warmup-iters 2 --log-interval 5 --eval-interval 1000 --eval-iters 0 --seed 1234)
 run_step "nccl_$NGPU" 75 "$PY" -m torch.distributed.run --standalone --nproc-per-node "$NGPU" \
     "${PRETRAIN[@]}" --global-batch-size $((2 * NGPU)) --output-dir "$OUT/pretrain_$NGPU"
 if [ "$NGPU" -gt 1 ]; then
