@@ -52,3 +52,33 @@ def test_memory_per_rank_table():
     )
     rows = {int(m.group(1)): float(m.group(2)) for m in re.finditer(r"^\s+(\d+)\s+([\d.]+)", out, re.M)}
     assert set(rows) == {1, 2, 4} and rows[4] < rows[2] < rows[1]
+
+
+def test_scaling_model_quick(tmp_path):
+    """The scaling model runs (calibration on 2 gloo ranks, the library's planner on the paper's and
+    Llama-70B's shapes, a plot) and its predictions keep the orderings the design claims; the numbers
+    themselves come from its named assumptions and this machine's calibration, not from here."""
+    png = tmp_path / "scaling.png"
+    out = _run("scaling_model.py", "--quick", "--plot", str(png))
+    calib = dict(kv.split("=") for kv in re.search(r"^CALIB (.*)$", out, re.M).group(1).split())
+    assert all(float(v) > 0 for v in calib.values()), calib
+    pred = [
+        {k: float(v) for k, v in (kv.split("=") for kv in m.group(2).split())} | {"setting": m.group(1)}
+        for m in re.finditer(r"^PRED setting=(\w+) (.*)$", out, re.M)
+    ]
+    paper = sorted((p for p in pred if p["setting"] == "paper"), key=lambda p: p["gpus"])
+    assert [p["gpus"] for p in paper] == [8, 16, 32, 64]
+    recon = [p["recon_step_ms"] for p in paper]
+    ours = [p["ours_step_ms"] for p in paper]
+    assert all(a < b for a, b in zip(recon, recon[1:])), recon  # reconstruction grows with W (weak scaling)
+    assert max(ours) / min(ours) < 1.25, ours  # the owner-local step stays flat
+    assert all(r > o for r, o in zip(recon, ours))
+    llama = [p for p in pred if p["setting"] == "llama"]
+    assert llama and all(p["recon_step_ms"] > p["ours_step_ms"] for p in llama)
+    fan = re.search(r"^FANOUT model=gpt25.8B latency_exceeds_bandwidth_W=(\d+)", out, re.M)
+    assert fan and 8 < int(fan.group(1)) <= 128, out[-3000:]
+    # hybrid sharding at that W: the gather's fan-out and the owners' reduction both shrink
+    num = r"([\d.]+)"
+    h = re.search(rf"^HYBRID .*gather_lat_ms full={num} hybrid={num} reduce_ms full={num} hybrid={num}", out, re.M)
+    assert float(h.group(2)) < float(h.group(1)) and float(h.group(4)) < float(h.group(3)), h.group(0)
+    assert png.stat().st_size > 10_000
