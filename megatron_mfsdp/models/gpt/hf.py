@@ -293,6 +293,12 @@ def _resolved(model_args: dict) -> dict:
     return args
 
 
+def transformer_args(model_args: dict) -> dict:
+    """``model_args`` (or a whole stored ``vars(args)``) with Megatron-LM's defaults filled in and
+    the derived settings resolved (num_query_groups without GQA, kv_channels, padded_vocab_size)."""
+    return _resolved(model_args)
+
+
 def _refuse_unsupported(args: dict) -> None:
     """Megatron settings with no counterpart in either Hugging Face architecture here."""
     for dest in (

@@ -1,0 +1,215 @@
+"""tools/checkpoint/convert.py's loaders and savers, with Megatron-LM's vocabulary (``--loader``,
+``--saver``; tools/checkpoint/convert.py at core_v0.16.1). Megatron-LM streams unsplit tensors
+through a queue from a loader process to a saver process; here a loader returns one
+``Loaded`` (stored args, whole tensors by state-dict name, a tokenizer folder if any) and a saver
+writes it:
+
+- ``mfsdp``: our ``--ckpt-format torch_dist`` checkpoints (model_files.py), read from any layout;
+  written at 1 x 1 x 1, which dist_checkpointing reshards when a run loads it at another layout;
+- ``hf``: a Hugging Face LlamaForCausalLM or GPT2LMHeadModel folder (safetensors, config.json and
+  the tokenizer files when the source has them), mapped by models/gpt/hf.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+
+import torch
+
+from ..models.gpt import hf
+from .model_files import read_model_checkpoint, write_model_checkpoint
+
+# The files of a saved Hugging Face tokenizer (what save_pretrained writes for the common kinds).
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "vocab.txt",
+    "tokenizer.model",
+    "chat_template.jinja",
+)
+TOKENIZER_SUBDIR = "tokenizer"
+DTYPE_FLAGS = {torch.bfloat16: {"bf16": True, "fp16": False}, torch.float16: {"bf16": False, "fp16": True}}
+
+
+@dataclasses.dataclass
+class Loaded:
+    """What a loader hands a saver: Megatron-LM args (dests -> values), whole tensors, and the
+    folder holding the source's Hugging Face tokenizer files (None when it has none)."""
+
+    args: dict
+    tensors: dict
+    tokenizer_dir: str | None = None
+    iteration: int = 0
+
+
+def tokenizer_from_args(args: dict):
+    """The training tokenizer a checkpoint's stored --tokenizer-* flags describe (data/tokenizers.py)."""
+    from ..data.datasets import build_tokenizer
+
+    if not args.get("tokenizer_type"):
+        raise hf.ConversionError("the checkpoint's args have no tokenizer_type (--tokenizer-type)")
+    return build_tokenizer(
+        args["tokenizer_type"],
+        args.get("tokenizer_model"),
+        args.get("vocab_size"),
+        vocab_file=args.get("vocab_file"),
+        merge_file=args.get("merge_file"),
+        vocab_extra_ids=args.get("vocab_extra_ids") or 0,
+        tokenizer_special_tokens=args.get("tokenizer_special_tokens"),
+        tiktoken_pattern=args.get("tiktoken_pattern"),
+        tiktoken_num_special_tokens=args.get("tiktoken_num_special_tokens") or 1000,
+        trust_remote_code=bool(args.get("trust_remote_code")),
+    )
+
+
+def copy_tokenizer_files(source: str, target: str) -> list[str]:
+    """Copy the Hugging Face tokenizer files found in ``source`` to ``target``; returns their names."""
+    names = [n for n in TOKENIZER_FILES if os.path.isfile(os.path.join(source, n))]
+    if names:
+        os.makedirs(target, exist_ok=True)
+        for name in names:
+            shutil.copyfile(os.path.join(source, name), os.path.join(target, name))
+    return names
+
+
+# ----------------------------------------------------------------------------------------
+# Loaders
+# ----------------------------------------------------------------------------------------
+
+
+def load_hf(load_dir: str, base_args: dict | None = None, make_vocab_size_divisible_by: int = 128) -> Loaded:
+    """A Hugging Face folder as Megatron-LM args (``base_args``, e.g. pretrain_gpt.py's defaults,
+    overlaid with the model's settings and its dtype flag) and whole tensors."""
+    state_dict, config = hf.load_hf_checkpoint(load_dir)
+    tensors, model_args = hf.hf_to_megatron(state_dict, config, make_vocab_size_divisible_by)
+    dtype = tensors["embedding.word_embeddings.weight"].dtype
+    args = {**(base_args or {}), **model_args, **DTYPE_FLAGS.get(dtype, {"bf16": False, "fp16": False})}
+    has_tokenizer = any(os.path.isfile(os.path.join(load_dir, n)) for n in TOKENIZER_FILES)
+    return Loaded(args, tensors, load_dir if has_tokenizer else None)
+
+
+def true_vocab_size(args: dict, given: int | None = None) -> int:
+    """The tokenizer's vocabulary size (the embedding without Megatron-LM's padding rows): --true-vocab-size,
+    else the stored --vocab-size, else the size of the tokenizer the stored flags build."""
+    if given is not None:
+        return given
+    if args.get("vocab_size"):
+        return int(args["vocab_size"])
+    try:
+        return tokenizer_from_args(args).vocab_size
+    except Exception as err:  # the tokenizer files may be gone; say what to pass instead
+        raise hf.ConversionError(
+            f"cannot tell the unpadded vocabulary size: the stored tokenizer flags do not build one ({err}); "
+            "pass --true-vocab-size"
+        ) from err
+
+
+def load_mfsdp(load_dir: str, step: int | None = None, vocab_size: int | None = None) -> Loaded:
+    """One of our torch_dist checkpoints, saved at any layout, as its stored args and whole tensors."""
+    args, tensors = read_model_checkpoint(load_dir, step)
+    args["vocab_size"] = true_vocab_size(args, vocab_size)
+    folder = args.get("tokenizer_model")
+    is_hf_folder = args.get("tokenizer_type") == "HuggingFaceTokenizer" and folder and os.path.isdir(folder)
+    return Loaded(args, tensors, folder if is_hf_folder else None, int(args.get("iteration") or 0))
+
+
+# ----------------------------------------------------------------------------------------
+# Savers
+# ----------------------------------------------------------------------------------------
+
+
+def _token_ids(loaded: Loaded) -> dict:
+    """bos/eos/pad ids for config.json, from the source's Hugging Face tokenizer when there is one;
+    else unset (GPT2Config's default 50256 would name a token outside a smaller vocabulary)."""
+    if loaded.tokenizer_dir is None:
+        return {"bos_token_id": None, "eos_token_id": None}
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(loaded.tokenizer_dir, local_files_only=True)
+    ids = {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id}
+    ids["pad_token_id"] = tokenizer.pad_token_id
+    return {k: v for k, v in ids.items() if v is not None}
+
+
+def save_hf(loaded: Loaded, save_dir: str) -> list[str]:
+    """A Hugging Face folder that ``AutoModelForCausalLM.from_pretrained`` loads; returns the tokenizer
+    files written (none when the source has no Hugging Face tokenizer)."""
+    hf_state, config = hf.megatron_to_hf(loaded.tensors, loaded.args, _token_ids(loaded))
+    hf.save_hf_checkpoint(save_dir, hf_state, config)
+    return copy_tokenizer_files(loaded.tokenizer_dir, save_dir) if loaded.tokenizer_dir else []
+
+
+def check_layout(args: dict, tp: int, pp: int) -> None:
+    """Refuse a target layout megatron-core cannot build for this model, naming the flag."""
+    for what, count in (
+        ("num_attention_heads", args["num_attention_heads"]),
+        ("num_query_groups", args["num_query_groups"] if args.get("group_query_attention") else None),
+        ("ffn_hidden_size", args["ffn_hidden_size"]),
+    ):
+        if count is not None and count % tp:
+            raise hf.ConversionError(f"--target-tensor-parallel-size {tp} does not divide {what}={count}")
+    if args["num_layers"] % pp:
+        raise hf.ConversionError(f"--target-pipeline-parallel-size {pp} does not divide num_layers={args['num_layers']}")
+
+
+def _repad_vocab(args: dict, tensors: dict, tp: int) -> dict:
+    """Embedding and output rows padded as Megatron-LM pads them at TP=``tp`` (to a multiple of
+    --make-vocab-size-divisible-by x TP, or of the divisor alone with
+    --mfsdp-vocab-padding-independent-of-tp); padding rows are zeros."""
+    from ..data.datasets import padded_vocab_size
+
+    vocab = true_vocab_size(args)
+    divisor = args.get("make_vocab_size_divisible_by") or 128
+    rows = padded_vocab_size(vocab, divisor, 1 if args.get("mfsdp_vocab_padding_independent_of_tp") else tp)
+    out = dict(tensors)
+    for name in ("embedding.word_embeddings.weight", "output_layer.weight"):
+        if name in out:
+            t = out[name][:vocab]
+            out[name] = torch.cat([t, t.new_zeros(rows - vocab, *t.shape[1:])])
+    args["padded_vocab_size"] = rows
+    return out
+
+
+def save_mfsdp(loaded: Loaded, save_dir: str, tp: int = 1, pp: int = 1) -> str:
+    """Our torch_dist checkpoint. The tensors are written at 1 x 1 x 1 (dist_checkpointing reshards
+    on load); ``tp``/``pp`` set the stored --tensor/--pipeline-model-parallel-size (what
+    --use-checkpoint-args resumes at) and the vocabulary padding of that TP. A source Hugging Face
+    tokenizer is copied beside the checkpoint and named by the stored --tokenizer-* flags."""
+    args = dict(loaded.args)
+    check_layout(hf.transformer_args(args), tp, pp)
+    tensors = _repad_vocab(args, loaded.tensors, tp)
+    args.update(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, iteration=loaded.iteration)
+    if loaded.tokenizer_dir is not None:
+        target = os.path.abspath(os.path.join(save_dir, TOKENIZER_SUBDIR))
+        if os.path.abspath(loaded.tokenizer_dir) != target:
+            copy_tokenizer_files(loaded.tokenizer_dir, target)
+        args.update(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=target)
+    return write_model_checkpoint(save_dir, args, tensors, loaded.iteration)
+
+
+def convert(loader: str, saver: str, load_dir: str, save_dir: str, **options) -> Loaded:
+    """Run one conversion. ``options``: base_args, make_vocab_size_divisible_by (hf loader), step,
+    true_vocab_size (mfsdp loader), target_tp, target_pp (mfsdp saver)."""
+    if loader == "hf":
+        divisor = options.get("make_vocab_size_divisible_by") or 128
+        loaded = load_hf(load_dir, options.get("base_args"), divisor)
+    elif loader == "mfsdp":
+        loaded = load_mfsdp(load_dir, options.get("step"), options.get("true_vocab_size"))
+    else:
+        raise hf.ConversionError(f"--loader {loader!r}: choose mfsdp or hf")
+    tp, pp = options.get("target_tp") or 1, options.get("target_pp") or 1
+    if saver == "hf":
+        if (tp, pp) != (1, 1):
+            raise hf.ConversionError("--target-tensor/pipeline-parallel-size apply to --saver mfsdp only")
+        save_hf(loaded, save_dir)
+    elif saver == "mfsdp":
+        save_mfsdp(loaded, save_dir, tp, pp)
+    else:
+        raise hf.ConversionError(f"--saver {saver!r}: choose mfsdp or hf")
+    return loaded

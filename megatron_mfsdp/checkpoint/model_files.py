@@ -1,0 +1,190 @@
+"""Model weights in Megatron-LM's ``--ckpt-format torch_dist`` layout, read and written whole.
+
+The layout (megatron/training/checkpointing.py at core_v0.16.1): ``DIR/latest_checkpointed_iteration.txt``
+names the iteration, ``DIR/iter_%07d/`` is a megatron-core ``dist_checkpointing.save`` of a state dict
+whose ``"model"`` entry is ``GPTModel.sharded_state_dict(prefix="")`` and whose common (non-tensor) part
+holds ``"args"`` (a plain dict of JSON-able values, ``vars(args)``), ``"checkpoint_version"`` 3.0 and
+``"iteration"``. Sharded-tensor keys are global (layers stacked on a leading axis, TP splits as offsets),
+so what any TP x PP x DP layout saved is read here by one process at 1 x 1 x 1 (dist_checkpointing
+reshards), and what is written here loads at any layout.
+
+Tensors are exchanged under the names of the whole model's ``state_dict()`` (``models/gpt/hf.py``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from argparse import Namespace
+
+import torch
+import torch.distributed as dist
+
+from ..compat.cpu import cuda_on_cpu
+
+TRACKER_FILE = "latest_checkpointed_iteration.txt"
+CHECKPOINT_VERSION = 3.0
+EXTRA_STATE = "._extra_state"
+
+# Settings of the run, not of the model: the whole model is built on one rank without them.
+WHOLE_MODEL_OVERRIDES = {
+    "tensor_model_parallel_size": 1,
+    "pipeline_model_parallel_size": 1,
+    "virtual_pipeline_model_parallel_size": None,
+    "context_parallel_size": 1,
+    "expert_model_parallel_size": 1,
+    "sequence_parallel": False,
+    "decoder_first_pipeline_num_layers": None,
+    "decoder_last_pipeline_num_layers": None,
+    "use_cpu_initialization": True,
+    "perform_initialization": False,
+    "gradient_accumulation_fusion": False,
+    "apply_rope_fusion": False,
+    "bias_gelu_fusion": False,
+    "bias_swiglu_fusion": False,
+    "recompute_granularity": None,
+    "recompute_method": None,
+    "recompute_num_layers": None,
+}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint folder that cannot be read as a model checkpoint; the message names the file."""
+
+
+def iteration_dir(root: str, iteration: int | str) -> str:
+    """``iter_%07d`` (or ``release``) under a --save/--load folder, as Megatron-LM names it."""
+    return os.path.join(root, "release" if iteration == "release" else f"iter_{int(iteration):07d}")
+
+
+def read_tracker(root: str) -> int | str:
+    """The iteration named by ``latest_checkpointed_iteration.txt`` (an int or ``"release"``)."""
+    path = os.path.join(root, TRACKER_FILE)
+    if not os.path.isfile(path):
+        raise CheckpointError(f"{path}: no such file (not a --ckpt-format torch_dist checkpoint folder)")
+    text = open(path).read().strip()
+    if text == "release":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise CheckpointError(f"{path}: holds {text!r}, not an iteration number or 'release'") from None
+
+
+def ensure_process_group() -> bool:
+    """dist_checkpointing runs on a process group: torchrun's, or a one-rank gloo group made here.
+    Returns whether this call made it."""
+    if dist.is_initialized():
+        return False
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ:
+        dist.init_process_group("gloo")
+    else:
+        init_file = tempfile.NamedTemporaryFile(prefix="mfsdp_pg_", delete=False).name
+        os.unlink(init_file)
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=0, world_size=1)
+    return True
+
+
+def plain_args(args) -> dict:
+    """A stored or parsed ``args`` (Namespace or dict) as a dict; refuses values JSON cannot hold."""
+    values = dict(vars(args) if isinstance(args, Namespace) else args)
+    for key, value in values.items():
+        try:
+            json.dumps(value)
+        except TypeError:
+            raise CheckpointError(f"args[{key!r}] = {value!r} is not a JSON value") from None
+    return values
+
+
+def whole_model(args: dict) -> torch.nn.Module:
+    """megatron-core's GPTModel of ``args`` at 1 x 1 x 1 on this rank (every rank is a DP rank),
+    from the local layer spec in the stored dtype, weights left uninitialized."""
+    from ..groups import initialize_model_parallel
+    from ..models.gpt import build_gpt_model
+    from ..models.gpt.config import gpt_model_kwargs, transformer_config_from_args
+    from ..models.gpt.hf import MEGATRON_DEFAULTS
+
+    built = {**MEGATRON_DEFAULTS, **args, **WHOLE_MODEL_OVERRIDES}
+    if not built.get("padded_vocab_size"):
+        raise CheckpointError("args lacks padded_vocab_size: the embedding size is unknown")
+    initialize_model_parallel(1, 1, create_gloo_process_groups=False)
+    config = transformer_config_from_args(built)
+    return build_gpt_model(
+        config,
+        vocab_size=built["padded_vocab_size"],
+        max_sequence_length=built["max_position_embeddings"],
+        use_transformer_engine=False,
+        **gpt_model_kwargs(built),
+    )
+
+
+def model_tensors(model: torch.nn.Module) -> dict:
+    """The whole model's weights by state-dict name (megatron's empty ``_extra_state`` left out)."""
+    return {k: v for k, v in model.state_dict().items() if not k.endswith(EXTRA_STATE)}
+
+
+def checkpoint_folder(root: str, step: int | None = None) -> tuple[str, int | str]:
+    """(iteration folder, iteration) of --load ROOT: the tracker's, or ``step`` (--ckpt-step)."""
+    iteration = read_tracker(root) if step is None else step
+    folder = iteration_dir(root, iteration)
+    if not os.path.isfile(os.path.join(folder, "metadata.json")):
+        raise CheckpointError(f"{folder}: no metadata.json (missing or not written by dist_checkpointing)")
+    return folder, iteration
+
+
+def load_whole_model(root: str, step: int | None = None) -> tuple[dict, torch.nn.Module]:
+    """(args, GPTModel at 1 x 1 x 1 holding the weights) of a torch_dist checkpoint saved at any
+    layout; collective over the process group (every rank receives the whole model)."""
+    from megatron.core import dist_checkpointing
+
+    folder, _ = checkpoint_folder(root, step)
+    ensure_process_group()
+    common = dist_checkpointing.load_common_state_dict(folder)
+    if "args" not in common:
+        raise CheckpointError(f"{folder}/common.pt: no 'args' (the model settings travel there)")
+    args = dict(vars(common["args"]) if isinstance(common["args"], Namespace) else common["args"])
+    model = whole_model(args)
+    sharded = {k: v for k, v in model.sharded_state_dict(prefix="").items() if not k.endswith(EXTRA_STATE)}
+    with cuda_on_cpu():
+        loaded = dist_checkpointing.load({"model": sharded}, folder)
+    model.load_state_dict(loaded["model"], strict=False)
+    return args, model
+
+
+def read_model_checkpoint(root: str, step: int | None = None) -> tuple[dict, dict]:
+    """(args, {state-dict name: tensor}) of a torch_dist checkpoint saved at any layout (collective)."""
+    args, model = load_whole_model(root, step)
+    return args, model_tensors(model)
+
+
+def write_model_checkpoint(root: str, args, tensors: dict, iteration: int = 0) -> str:
+    """Write the whole model as a torch_dist checkpoint at 1 x 1 x 1 (any layout loads it) with no
+    optimizer state, then point the tracker at it. Returns the iteration folder."""
+    from megatron.core import dist_checkpointing
+
+    from ..models.gpt.hf import load_into_model
+
+    args = plain_args(args)
+    ensure_process_group()
+    model = whole_model(args)
+    load_into_model(model, tensors)
+    folder = iteration_dir(root, iteration)
+    if os.path.exists(folder) and os.listdir(folder):
+        raise CheckpointError(f"{folder}: already exists; choose an empty --save-dir")
+    os.makedirs(folder, exist_ok=True)
+    state = {
+        "model": model.sharded_state_dict(prefix=""),
+        "args": args,
+        "checkpoint_version": CHECKPOINT_VERSION,
+        "iteration": iteration,
+    }
+    with cuda_on_cpu():
+        dist_checkpointing.save(state, folder)
+    if dist.get_rank() == 0:
+        tracker = os.path.join(root, TRACKER_FILE)
+        with open(tracker + ".tmp", "w") as f:
+            f.write(str(iteration))
+        os.replace(tracker + ".tmp", tracker)
+    dist.barrier()
+    return folder

@@ -1,0 +1,117 @@
+"""Generate text from a megatron-mfsdp checkpoint (--ckpt-format torch_dist, saved at any layout).
+
+    python tools/generate.py --load CKPT --prompt "def main(" --max-new-tokens 32 --greedy
+    python tools/generate.py --load CKPT --prompt-ids "1 2 3" --temperature 0.8 --top-p 0.9 --seed 7
+    torchrun --nproc-per-node 2 tools/generate.py --load CKPT --prompt "a" --prompt "b" --greedy
+
+Every process reads the whole model (dist_checkpointing reshards whatever layout saved it) and
+decodes its share of the prompts (round robin over the data-parallel ranks); rank 0 prints, per
+prompt, ``generated ids: ...`` and the decoded text. Text prompts use the tokenizer the
+checkpoint's stored --tokenizer-* flags describe (override them with the same flags).
+"""
+
+import argparse
+import sys
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="generate.py", description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    p.add_argument("--load", required=True, help="checkpoint folder (latest_checkpointed_iteration.txt, iter_*)")
+    p.add_argument("--ckpt-step", type=int, default=None, help="iteration to load (default: the latest)")
+    p.add_argument("--prompt", action="append", default=[], help="prompt text (repeatable)")
+    p.add_argument("--prompt-ids", action="append", default=[], help='prompt token ids, e.g. "1 2 3" (repeatable)')
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--greedy", action="store_true", help="argmax decoding (ignores the sampling flags)")
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0: all)")
+    p.add_argument("--top-p", type=float, default=0.0, help="nucleus sampling mass (0: off)")
+    p.add_argument("--seed", type=int, default=1234, help="sampling seed")
+    p.add_argument("--ignore-eos", action="store_true", help="do not stop at the tokenizer's end-of-document id")
+    for flag in ("--tokenizer-type", "--tokenizer-model", "--vocab-file", "--merge-file"):
+        p.add_argument(flag, default=None, help="override the checkpoint's stored value")
+    return p
+
+
+def _tokenizer(args, stored: dict):
+    from megatron_mfsdp.checkpoint.convert import tokenizer_from_args
+
+    overrides = {k: getattr(args, k) for k in ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file")}
+    try:
+        return tokenizer_from_args({**stored, **{k: v for k, v in overrides.items() if v is not None}}), None
+    except Exception as err:  # any tokenizer failure: text prompts need it, id prompts do not
+        return None, err
+
+
+def _prompts(args, tokenizer, error) -> list:
+    prompts = []
+    for text in args.prompt:
+        if tokenizer is None:
+            sys.exit(f"generate.py: error: --prompt needs the checkpoint's tokenizer: {error}")
+        prompts.append(list(tokenizer.tokenize(text)))
+    for ids in args.prompt_ids:
+        try:
+            prompts.append([int(t) for t in ids.replace(",", " ").split()])
+        except ValueError:
+            sys.exit(f"generate.py: error: --prompt-ids {ids!r} is not a list of integers")
+    if not prompts or not all(prompts):
+        sys.exit("generate.py: error: give at least one non-empty --prompt or --prompt-ids")
+    return prompts
+
+
+def _vocab_size(stored: dict, tokenizer) -> int:
+    """The logits cut at the tokenizer's vocabulary (Megatron-LM's padding rows are not tokens)."""
+    if tokenizer is not None:
+        return tokenizer.vocab_size
+    return int(stored.get("vocab_size") or stored["padded_vocab_size"])
+
+
+def _stop_ids(args, tokenizer) -> tuple:
+    if args.ignore_eos or tokenizer is None:
+        return ()
+    try:
+        return () if tokenizer.eod is None else (int(tokenizer.eod),)
+    except NotImplementedError:
+        return ()
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    import torch
+    import torch.distributed as dist
+
+    from megatron_mfsdp.checkpoint.model_files import ensure_process_group, load_whole_model
+    from megatron_mfsdp.models.gpt.generate import generate
+
+    owns_process_group = ensure_process_group()
+    stored, model = load_whole_model(args.load, args.ckpt_step)
+    if torch.cuda.is_available():
+        model.cuda()
+    model.eval()
+    tokenizer, error = _tokenizer(args, stored)
+    prompts, vocab = _prompts(args, tokenizer, error), _vocab_size(stored, tokenizer)
+    longest = max(len(p) for p in prompts) + args.max_new_tokens
+    if longest > stored["max_position_embeddings"]:
+        sys.exit(f"generate.py: error: prompt + --max-new-tokens = {longest} > {stored['max_position_embeddings']}")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mine = {
+        i: generate(model, p, args.max_new_tokens, vocab, greedy=args.greedy, temperature=args.temperature,
+                    top_k=args.top_k, top_p=args.top_p, seed=args.seed + i, stop_ids=_stop_ids(args, tokenizer))
+        for i, p in enumerate(prompts) if i % world == rank
+    }  # fmt: skip
+    gathered = [None] * world
+    dist.all_gather_object(gathered, mine)
+    if rank == 0:
+        results = {i: ids for part in gathered for i, ids in part.items()}
+        for i, prompt in enumerate(prompts):
+            print(f"prompt ids: {' '.join(map(str, prompt))}")
+            print(f"generated ids: {' '.join(map(str, results[i]))}")
+            if tokenizer is not None:
+                print(f"generated text: {tokenizer.detokenize(results[i])}")
+    dist.barrier()
+    if owns_process_group:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
