@@ -58,11 +58,16 @@ def _prompts(args, tokenizer, error) -> list:
     return prompts
 
 
-def _vocab_size(stored: dict, tokenizer) -> int:
-    """The logits cut at the tokenizer's vocabulary (Megatron-LM's padding rows are not tokens)."""
-    if tokenizer is not None:
-        return tokenizer.vocab_size
-    return int(stored.get("vocab_size") or stored["padded_vocab_size"])
+def _vocab_size(stored: dict) -> int:
+    """The logits cut at the tokens (Megatron-LM's padding rows are not tokens)."""
+    from megatron_mfsdp.checkpoint.convert import true_vocab_size
+    from megatron_mfsdp.models.gpt.hf import ConversionError
+
+    try:
+        return true_vocab_size(stored)
+    except ConversionError as err:
+        print(f"generate.py: warning: sampling over all {stored['padded_vocab_size']} padded rows ({err})", file=sys.stderr)
+        return int(stored["padded_vocab_size"])
 
 
 def _stop_ids(args, tokenizer) -> tuple:
@@ -88,7 +93,7 @@ def main(argv=None) -> int:
         model.cuda()
     model.eval()
     tokenizer, error = _tokenizer(args, stored)
-    prompts, vocab = _prompts(args, tokenizer, error), _vocab_size(stored, tokenizer)
+    prompts, vocab = _prompts(args, tokenizer, error), _vocab_size(stored)
     longest = max(len(p) for p in prompts) + args.max_new_tokens
     if longest > stored["max_position_embeddings"]:
         sys.exit(f"generate.py: error: prompt + --max-new-tokens = {longest} > {stored['max_position_embeddings']}")

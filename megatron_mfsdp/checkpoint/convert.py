@@ -95,11 +95,13 @@ def load_hf(load_dir: str, base_args: dict | None = None, make_vocab_size_divisi
 
 
 def true_vocab_size(args: dict, given: int | None = None) -> int:
-    """The tokenizer's vocabulary size (the embedding without Megatron-LM's padding rows): --true-vocab-size,
-    else the stored --vocab-size, else the size of the tokenizer the stored flags build."""
+    """The embedding rows that are tokens (Megatron-LM pads the rest): --true-vocab-size, else the
+    stored --vocab-size (a converted Hugging Face model's, TikTokenizer's), else the size of the
+    tokenizer the stored flags build. NullTokenizer's --vocab-size excludes its eod, so it is
+    asked for its size (vocab_size + 1, as Megatron-LM's _NullTokenizer)."""
     if given is not None:
         return given
-    if args.get("vocab_size"):
+    if args.get("vocab_size") and args.get("tokenizer_type") != "NullTokenizer":
         return int(args["vocab_size"])
     try:
         return tokenizer_from_args(args).vocab_size

@@ -186,3 +186,139 @@ def test_text_prompt_uses_the_checkpoints_tokenizer(converted, capsys):
     out = capsys.readouterr().out
     assert generated_ids(out) == [theirs.tolist()]
     assert f"generated text: {tokenizer.decode(theirs)}" in out
+
+
+# ----------------------------------------------------------------------------------------
+# Negative controls: a wrong mapping in the checkpoint breaks the logits comparison
+# ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("control", ["naive_qkv_split", "swapped_gate_up"])
+@torch.no_grad()
+def test_negative_control_breaks_logits(control, converted):
+    name, hf_model, root = converted
+    if name != "llama_gqa_untied":
+        pytest.skip("the controls run on the GQA Llama with 4 query heads per group")
+    args, model = load_whole_model(str(root / "ours"))
+    tensors = {k: v for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
+    wrong = (naive_qkv if control == "naive_qkv_split" else swapped_gate_up)(tensors, args)
+    model.load_state_dict(wrong, strict=False)
+    tokens = batch()
+    delta = (our_logits(model.eval(), tokens, args["vocab_size"]) - hf_model(tokens).logits).abs().max().item()
+    print(f"\n[convert] negative control {control}: max |logits ours - transformers| = {delta:.3e}")
+    assert delta > CONTROL_MIN
+
+
+# ----------------------------------------------------------------------------------------
+# A checkpoint saved by another layout reads back whole
+# ----------------------------------------------------------------------------------------
+
+LLAMA_ARGS = dict(
+    num_layers=2,
+    hidden_size=64,
+    ffn_hidden_size=96,
+    num_attention_heads=4,
+    group_query_attention=True,
+    num_query_groups=2,
+    max_position_embeddings=64,
+    seq_length=64,
+    position_embedding_type="rope",
+    normalization="RMSNorm",
+    swiglu=True,
+    add_bias_linear=False,
+    untie_embeddings_and_output_weights=True,
+    vocab_size=100,
+    padded_vocab_size=128,
+    tokenizer_type="NullTokenizer",
+    init_method_std=0.2,
+)
+SEED = 11
+
+
+def save_at_layout(rank, world_size, folder, tp, pp):
+    """Save LLAMA_ARGS's model, weights seeded by global name, from a TP x PP layout (as training does)."""
+    from megatron.core import dist_checkpointing, parallel_state
+
+    from megatron_mfsdp.compat.cpu import cuda_on_cpu
+    from megatron_mfsdp.models.gpt import build_gpt_model, initialize_by_global_name
+    from megatron_mfsdp.models.gpt.config import transformer_config_from_args
+    from megatron_mfsdp.models.gpt.hf import MEGATRON_DEFAULTS
+    from megatron_mfsdp.testing import init_megatron
+
+    init_megatron(tp, pp)
+    args = {**MEGATRON_DEFAULTS, **LLAMA_ARGS, "tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp}
+    config = transformer_config_from_args({**args, "use_cpu_initialization": True})
+    model = build_gpt_model(
+        config,
+        vocab_size=128,
+        max_sequence_length=64,
+        position_embedding_type="rope",
+        share_embeddings_and_output_weights=False,
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
+        use_transformer_engine=False,
+    )
+    initialize_by_global_name(model, config, SEED, parallel_state.get_tensor_model_parallel_rank(), tp)
+    state = {"model": model.sharded_state_dict(prefix=""), "args": args, "checkpoint_version": 3.0, "iteration": 3}
+    os.makedirs(os.path.join(folder, "iter_0000003"), exist_ok=True)
+    with cuda_on_cpu():
+        dist_checkpointing.save(state, os.path.join(folder, "iter_0000003"))
+    if rank == 0:
+        with open(os.path.join(folder, "latest_checkpointed_iteration.txt"), "w") as f:
+            f.write("3")
+
+
+@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)])
+def test_checkpoint_saved_at_another_layout_reads_whole(tp, pp, tmp_path):
+    """Q/K/V per query group and SwiGLU's [gate; up] split over TP, layers over PP: read back at
+    1 x 1 x 1 they equal the whole model's weights (seeded by global name), bitwise."""
+    from megatron_mfsdp.checkpoint.model_files import model_tensors, whole_model
+    from megatron_mfsdp.models.gpt import initialize_by_global_name
+    from megatron_mfsdp.testing import run_workers
+
+    run_workers(2, save_at_layout, str(tmp_path), tp, pp)
+    args, tensors = read_model_checkpoint(str(tmp_path))
+    assert args["tensor_model_parallel_size"] == tp
+    expected = whole_model(LLAMA_ARGS)
+    initialize_by_global_name(expected, expected.config, SEED)
+    expected = model_tensors(expected)
+    assert sorted(tensors) == sorted(expected)
+    assert not [k for k in expected if not torch.equal(tensors[k], expected[k])]
+
+
+def test_write_then_read_is_bitwise(tmp_path):
+    from megatron_mfsdp.checkpoint.model_files import model_tensors, whole_model
+
+    g = torch.Generator().manual_seed(0)
+    tensors = {k: torch.randn(v.shape, generator=g) for k, v in model_tensors(whole_model(LLAMA_ARGS)).items()}
+    write_model_checkpoint(str(tmp_path), LLAMA_ARGS, tensors, iteration=5)
+    assert (tmp_path / "latest_checkpointed_iteration.txt").read_text() == "5"
+    args, back = read_model_checkpoint(str(tmp_path))
+    assert args == LLAMA_ARGS and sorted(back) == sorted(tensors)
+    assert all(torch.equal(back[k], tensors[k]) for k in tensors)
+
+
+# ----------------------------------------------------------------------------------------
+# Refusals name what cannot be converted
+# ----------------------------------------------------------------------------------------
+
+
+def test_refusals_name_the_setting(tmp_path, capsys):
+    from megatron_mfsdp.checkpoint.model_files import model_tensors, whole_model
+
+    gelu = tiny_hf_model("llama_gqa_tied")
+    gelu.config.hidden_act = "gelu"
+    gelu.save_pretrained(tmp_path / "gelu")
+    assert CONVERT.main(["--loader", "hf", "--saver", "mfsdp", "--load-dir", str(tmp_path / "gelu"), "--save-dir", str(tmp_path / "x")]) == 2  # fmt: skip
+    assert "hidden_act='gelu' cannot be converted" in capsys.readouterr().err
+
+    qk = dict(LLAMA_ARGS, qk_layernorm=True)
+    write_model_checkpoint(str(tmp_path / "qk"), qk, {k: v.clone() for k, v in model_tensors(whole_model(qk)).items()})
+    assert CONVERT.main(["--loader", "mfsdp", "--saver", "hf", "--load-dir", str(tmp_path / "qk"), "--save-dir", str(tmp_path / "y")]) == 2  # fmt: skip
+    assert "qk_layernorm=True cannot be converted" in capsys.readouterr().err
+
+    flags = ["--loader", "mfsdp", "--saver", "mfsdp", "--load-dir", str(tmp_path / "qk"), "--save-dir", str(tmp_path / "z")]  # fmt: skip
+    assert CONVERT.main([*flags, "--target-tensor-parallel-size", "3"]) == 2
+    assert "--target-tensor-parallel-size 3 does not divide num_attention_heads=4" in capsys.readouterr().err
+    assert CONVERT.main(["--loader", "mfsdp", "--saver", "hf", "--load-dir", str(tmp_path / "none"), "--save-dir", str(tmp_path / "w")]) == 2  # fmt: skip
+    assert "latest_checkpointed_iteration.txt: no such file" in capsys.readouterr().err
