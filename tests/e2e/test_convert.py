@@ -322,3 +322,28 @@ def test_refusals_name_the_setting(tmp_path, capsys):
     assert "--target-tensor-parallel-size 3 does not divide num_attention_heads=4" in capsys.readouterr().err
     assert CONVERT.main(["--loader", "mfsdp", "--saver", "hf", "--load-dir", str(tmp_path / "none"), "--save-dir", str(tmp_path / "w")]) == 2  # fmt: skip
     assert "latest_checkpointed_iteration.txt: no such file" in capsys.readouterr().err
+
+
+def generate_on_ranks(rank, world_size, argv):
+    import contextlib
+    import io
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        GENERATE.main(list(argv))
+    return out.getvalue()
+
+
+def test_generate_on_two_data_parallel_ranks_prints_what_one_process_does(converted, capsys):
+    """torchrun's DP ranks each read the whole model and decode their share of the prompts."""
+    from megatron_mfsdp.testing import run_workers
+
+    name, hf_model, root = converted
+    if name != "gpt2_gelu_new":
+        pytest.skip("one architecture is enough for the rank split")
+    flags = ["--load", str(root / "ours"), "--max-new-tokens", "5", "--temperature", "0.9", "--top-k", "20"]
+    flags += ["--top-p", "0.9", "--seed", "3", *[f for p in ("1 2 3", "4 5", "6 7 8 9") for f in ("--prompt-ids", p)]]
+    assert GENERATE.main(flags) == 0
+    alone = capsys.readouterr().out
+    outputs = run_workers(2, generate_on_ranks, flags)
+    assert len(generated_ids(alone)) == 3 and outputs[0] == alone and outputs[1] == ""
