@@ -66,7 +66,10 @@ def _vocab_size(stored: dict) -> int:
     try:
         return true_vocab_size(stored)
     except ConversionError as err:
-        print(f"generate.py: warning: sampling over all {stored['padded_vocab_size']} padded rows ({err})", file=sys.stderr)
+        print(
+            f"generate.py: warning: sampling over all {stored['padded_vocab_size']} padded rows ({err})",
+            file=sys.stderr,
+        )
         return int(stored["padded_vocab_size"])
 
 
@@ -99,10 +102,21 @@ def main(argv=None) -> int:
         sys.exit(f"generate.py: error: prompt + --max-new-tokens = {longest} > {stored['max_position_embeddings']}")
     rank, world = dist.get_rank(), dist.get_world_size()
     mine = {
-        i: generate(model, p, args.max_new_tokens, vocab, greedy=args.greedy, temperature=args.temperature,
-                    top_k=args.top_k, top_p=args.top_p, seed=args.seed + i, stop_ids=_stop_ids(args, tokenizer))
-        for i, p in enumerate(prompts) if i % world == rank
-    }  # fmt: skip
+        i: generate(
+            model,
+            p,
+            args.max_new_tokens,
+            vocab,
+            greedy=args.greedy,
+            temperature=args.temperature,
+            top_k=args.top_k,
+            top_p=args.top_p,
+            seed=args.seed + i,
+            stop_ids=_stop_ids(args, tokenizer),
+        )
+        for i, p in enumerate(prompts)
+        if i % world == rank
+    }
     gathered = [None] * world
     dist.all_gather_object(gathered, mine)
     if rank == 0:

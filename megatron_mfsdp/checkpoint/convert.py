@@ -139,10 +139,18 @@ def _token_ids(loaded: Loaded) -> dict:
     return {k: v for k, v in ids.items() if v is not None}
 
 
-def save_hf(loaded: Loaded, save_dir: str) -> list[str]:
+def save_hf(loaded: Loaded, save_dir: str, keep_vocab_padding: bool = False) -> list[str]:
     """A Hugging Face folder that ``AutoModelForCausalLM.from_pretrained`` loads; returns the tokenizer
-    files written (none when the source has no Hugging Face tokenizer)."""
-    hf_state, config = hf.megatron_to_hf(loaded.tensors, loaded.args, _token_ids(loaded))
+    files written (none when the source has no Hugging Face tokenizer).
+
+    By default the embedding (and lm_head) keep the tokenizer's rows only. Megatron-LM's softmax
+    also spans the padding rows, so a trained model's padding logits hold some probability; with
+    ``keep_vocab_padding`` they are written too (config vocab_size = the padded size) and
+    transformers' loss equals ours exactly."""
+    args = loaded.args
+    if keep_vocab_padding:
+        args = dict(args, vocab_size=loaded.tensors["embedding.word_embeddings.weight"].shape[0])
+    hf_state, config = hf.megatron_to_hf(loaded.tensors, args, _token_ids(loaded))
     hf.save_hf_checkpoint(save_dir, hf_state, config)
     return copy_tokenizer_files(loaded.tokenizer_dir, save_dir) if loaded.tokenizer_dir else []
 
@@ -157,7 +165,9 @@ def check_layout(args: dict, tp: int, pp: int) -> None:
         if count is not None and count % tp:
             raise hf.ConversionError(f"--target-tensor-parallel-size {tp} does not divide {what}={count}")
     if args["num_layers"] % pp:
-        raise hf.ConversionError(f"--target-pipeline-parallel-size {pp} does not divide num_layers={args['num_layers']}")
+        raise hf.ConversionError(
+            f"--target-pipeline-parallel-size {pp} does not divide num_layers={args['num_layers']}"
+        )
 
 
 def _repad_vocab(args: dict, tensors: dict, tp: int) -> dict:
@@ -197,7 +207,7 @@ def save_mfsdp(loaded: Loaded, save_dir: str, tp: int = 1, pp: int = 1) -> str:
 
 def convert(loader: str, saver: str, load_dir: str, save_dir: str, **options) -> Loaded:
     """Run one conversion. ``options``: base_args, make_vocab_size_divisible_by (hf loader), step,
-    true_vocab_size (mfsdp loader), target_tp, target_pp (mfsdp saver)."""
+    true_vocab_size (mfsdp loader), target_tp, target_pp (mfsdp saver), keep_vocab_padding (hf saver)."""
     if loader == "hf":
         divisor = options.get("make_vocab_size_divisible_by") or 128
         loaded = load_hf(load_dir, options.get("base_args"), divisor)
@@ -209,7 +219,7 @@ def convert(loader: str, saver: str, load_dir: str, save_dir: str, **options) ->
     if saver == "hf":
         if (tp, pp) != (1, 1):
             raise hf.ConversionError("--target-tensor/pipeline-parallel-size apply to --saver mfsdp only")
-        save_hf(loaded, save_dir)
+        save_hf(loaded, save_dir, bool(options.get("keep_vocab_padding")))
     elif saver == "mfsdp":
         save_mfsdp(loaded, save_dir, tp, pp)
     else:

@@ -95,8 +95,28 @@ def converted(request, tmp_path_factory):
         word_tokenizer(VARIANTS[name]["vocab_size"], root / "hf")
     tp = "2" if name == "llama_gqa_untied" else "1"
     flags = ["--target-tensor-parallel-size", tp]
-    assert CONVERT.main(["--loader", "hf", "--saver", "mfsdp", "--load-dir", str(root / "hf"), "--save-dir", str(root / "ours"), *flags]) == 0  # fmt: skip
-    assert CONVERT.main(["--loader", "mfsdp", "--saver", "hf", "--load-dir", str(root / "ours"), "--save-dir", str(root / "back")]) == 0  # fmt: skip
+    assert (
+        CONVERT.main(
+            [
+                "--loader",
+                "hf",
+                "--saver",
+                "mfsdp",
+                "--load-dir",
+                str(root / "hf"),
+                "--save-dir",
+                str(root / "ours"),
+                *flags,
+            ]
+        )
+        == 0
+    )
+    assert (
+        CONVERT.main(
+            ["--loader", "mfsdp", "--saver", "hf", "--load-dir", str(root / "ours"), "--save-dir", str(root / "back")]
+        )
+        == 0
+    )
     return name, hf_model, root
 
 
@@ -154,7 +174,11 @@ def test_our_logits_from_the_checkpoint_match_transformers(converted):
 
 
 def generated_ids(stdout: str) -> list[list[int]]:
-    return [[int(t) for t in line.split(":", 1)[1].split()] for line in stdout.splitlines() if line.startswith("generated ids:")]  # fmt: skip
+    return [
+        [int(t) for t in line.split(":", 1)[1].split()]
+        for line in stdout.splitlines()
+        if line.startswith("generated ids:")
+    ]
 
 
 @torch.no_grad()
@@ -165,7 +189,12 @@ def test_greedy_generate_matches_transformers(converted, capsys):
     hf_model.generation_config.eos_token_id = None  # decode every step on both sides
     theirs = hf_model.generate(prompts, max_new_tokens=steps, do_sample=False, pad_token_id=0)[:, 6:]
     flags = [f for p in prompts for f in ("--prompt-ids", " ".join(map(str, p.tolist())))]
-    assert GENERATE.main(["--load", str(root / "ours"), *flags, "--max-new-tokens", str(steps), "--greedy", "--ignore-eos"]) == 0  # fmt: skip
+    assert (
+        GENERATE.main(
+            ["--load", str(root / "ours"), *flags, "--max-new-tokens", str(steps), "--greedy", "--ignore-eos"]
+        )
+        == 0
+    )
     ours = generated_ids(capsys.readouterr().out)
     agree = sum(a == b for o, t in zip(ours, theirs.tolist()) for a, b in zip(o, t))
     print(f"\n[convert] {name}: greedy tokens agreeing with transformers' generate: {agree}/{theirs.numel()}")
@@ -182,7 +211,12 @@ def test_text_prompt_uses_the_checkpoints_tokenizer(converted, capsys):
     prompt = torch.tensor([tokenizer(text).input_ids])
     hf_model.generation_config.eos_token_id = None
     theirs = hf_model.generate(prompt, max_new_tokens=6, do_sample=False, pad_token_id=0)[0, prompt.shape[1] :]
-    assert GENERATE.main(["--load", str(root / "ours"), "--prompt", text, "--max-new-tokens", "6", "--greedy", "--ignore-eos"]) == 0  # fmt: skip
+    assert (
+        GENERATE.main(
+            ["--load", str(root / "ours"), "--prompt", text, "--max-new-tokens", "6", "--greedy", "--ignore-eos"]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert generated_ids(out) == [theirs.tolist()]
     assert f"generated text: {tokenizer.decode(theirs)}" in out
@@ -309,18 +343,69 @@ def test_refusals_name_the_setting(tmp_path, capsys):
     gelu = tiny_hf_model("llama_gqa_tied")
     gelu.config.hidden_act = "gelu"
     gelu.save_pretrained(tmp_path / "gelu")
-    assert CONVERT.main(["--loader", "hf", "--saver", "mfsdp", "--load-dir", str(tmp_path / "gelu"), "--save-dir", str(tmp_path / "x")]) == 2  # fmt: skip
+    assert (
+        CONVERT.main(
+            [
+                "--loader",
+                "hf",
+                "--saver",
+                "mfsdp",
+                "--load-dir",
+                str(tmp_path / "gelu"),
+                "--save-dir",
+                str(tmp_path / "x"),
+            ]
+        )
+        == 2
+    )
     assert "hidden_act='gelu' cannot be converted" in capsys.readouterr().err
 
     qk = dict(LLAMA_ARGS, qk_layernorm=True)
     write_model_checkpoint(str(tmp_path / "qk"), qk, {k: v.clone() for k, v in model_tensors(whole_model(qk)).items()})
-    assert CONVERT.main(["--loader", "mfsdp", "--saver", "hf", "--load-dir", str(tmp_path / "qk"), "--save-dir", str(tmp_path / "y")]) == 2  # fmt: skip
+    assert (
+        CONVERT.main(
+            [
+                "--loader",
+                "mfsdp",
+                "--saver",
+                "hf",
+                "--load-dir",
+                str(tmp_path / "qk"),
+                "--save-dir",
+                str(tmp_path / "y"),
+            ]
+        )
+        == 2
+    )
     assert "qk_layernorm=True cannot be converted" in capsys.readouterr().err
 
-    flags = ["--loader", "mfsdp", "--saver", "mfsdp", "--load-dir", str(tmp_path / "qk"), "--save-dir", str(tmp_path / "z")]  # fmt: skip
+    flags = [
+        "--loader",
+        "mfsdp",
+        "--saver",
+        "mfsdp",
+        "--load-dir",
+        str(tmp_path / "qk"),
+        "--save-dir",
+        str(tmp_path / "z"),
+    ]
     assert CONVERT.main([*flags, "--target-tensor-parallel-size", "3"]) == 2
     assert "--target-tensor-parallel-size 3 does not divide num_attention_heads=4" in capsys.readouterr().err
-    assert CONVERT.main(["--loader", "mfsdp", "--saver", "hf", "--load-dir", str(tmp_path / "none"), "--save-dir", str(tmp_path / "w")]) == 2  # fmt: skip
+    assert (
+        CONVERT.main(
+            [
+                "--loader",
+                "mfsdp",
+                "--saver",
+                "hf",
+                "--load-dir",
+                str(tmp_path / "none"),
+                "--save-dir",
+                str(tmp_path / "w"),
+            ]
+        )
+        == 2
+    )
     assert "latest_checkpointed_iteration.txt: no such file" in capsys.readouterr().err
 
 
@@ -347,3 +432,81 @@ def test_generate_on_two_data_parallel_ranks_prints_what_one_process_does(conver
     alone = capsys.readouterr().out
     outputs = run_workers(2, generate_on_ranks, flags)
     assert len(generated_ids(alone)) == 3 and outputs[0] == alone and outputs[1] == ""
+
+
+# ----------------------------------------------------------------------------------------
+# Ours -> HF after real training with pretrain_gpt.py
+# ----------------------------------------------------------------------------------------
+
+VALID_LINE = r"validation loss at iteration 4 on validation set \| lm loss value: ([\d.E+-]+) \|"
+
+
+def pretrain_saves_torch_dist() -> bool:
+    """Whether pretrain_gpt.py's --save honours --ckpt-format (the training checkpoint work of issue 9
+    item 1); the converter reads only torch_dist folders."""
+    import pathlib
+
+    training = pathlib.Path(ROOT, "megatron_mfsdp", "training")
+    return any("ckpt_format" in p.read_text() for p in training.glob("*.py"))
+
+
+@torch.no_grad()
+def test_trained_checkpoint_converts_and_transformers_loss_equals_our_validation_loss(tmp_path):
+    """Train 4 iterations (a tiny Llama on mock data), save --ckpt-format torch_dist, convert to HF
+    and compute transformers' lm loss on the final validation batch (samples 0-7 of the validation
+    split, 4 micro-batches of 2, mean of per-micro-batch token means, as steps.evaluate). With
+    --hf-keep-vocab-padding it equals the logged loss (the print's precision); the default
+    conversion drops the padding rows from the softmax, so its loss is lower (printed)."""
+    import re
+
+    if not pretrain_saves_torch_dist():
+        pytest.skip(
+            "pretrain_gpt.py --save does not write --ckpt-format torch_dist on this branch yet (issue 9 item 1)"
+        )
+    from megatron_mfsdp.training.arguments import parse_args
+    from megatron_mfsdp.training.loop import prepare_data
+    from tests.launch import TINY, pretrain_in_workers
+
+    llama = ["--swiglu", "--position-embedding-type", "rope", "--normalization", "RMSNorm", "--disable-bias-linear"]
+    run = ["--train-iters", "4", "--eval-interval", "100", "--eval-iters", "1", "--ckpt-format", "torch_dist"]
+    flags = [*TINY, *llama, *run, "--use-matrix-fsdp", "--save", str(tmp_path / "ckpt"), "--save-interval", "4"]
+    stdout = pretrain_in_workers(1, *flags, tmp_path=tmp_path)["stdout"]
+    logged = float(re.search(VALID_LINE, stdout).group(1))
+    _, (_, valid, _) = prepare_data(parse_args(flags, world_size=1))
+    losses = {}
+    for keep in (True, False):
+        out = tmp_path / f"hf_{keep}"
+        extra = ["--hf-keep-vocab-padding"] if keep else []
+        assert (
+            CONVERT.main(
+                [
+                    "--loader",
+                    "mfsdp",
+                    "--saver",
+                    "hf",
+                    "--load-dir",
+                    str(tmp_path / "ckpt"),
+                    "--save-dir",
+                    str(out),
+                    *extra,
+                ]
+            )
+            == 0
+        )
+        model = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager").eval()
+        per_micro = []
+        for first in range(0, 8, 2):
+            samples = [valid[i] for i in range(first, first + 2)]
+            tokens, labels, mask = (
+                torch.stack([torch.as_tensor(s[k]) for s in samples]) for k in ("tokens", "labels", "loss_mask")
+            )
+            logits = model(tokens).logits.float()
+            ce = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none")
+            per_micro.append(((ce * mask.flatten()).sum() / mask.sum()).item())
+        losses[keep] = sum(per_micro) / len(per_micro)
+    print(
+        f"\n[convert] trained: logged validation loss {logged:.6f}, transformers {losses[True]:.6f} (padding kept), "
+        f"{losses[False]:.6f} (padding dropped)"
+    )
+    assert abs(losses[True] - logged) <= 2e-5 * max(1.0, abs(logged))
+    assert losses[False] < losses[True]

@@ -22,7 +22,9 @@ def test_top_k_keeps_the_k_largest():
     assert kept(filter_logits(LOGITS, top_k=10)) == [0, 1, 2, 3]
 
 
-@pytest.mark.parametrize("top_p,expected", [(0.4, [1]), (0.45, [1]), (0.7, [1, 3]), (0.85, [1, 2, 3]), (0.99, [0, 1, 2, 3])])
+@pytest.mark.parametrize(
+    "top_p,expected", [(0.4, [1]), (0.45, [1]), (0.7, [1, 3]), (0.85, [1, 2, 3]), (0.99, [0, 1, 2, 3])]
+)
 def test_top_p_keeps_tokens_until_their_mass_passes_p(top_p, expected):
     # sorted: 0.5, 0.3, 0.15, 0.05; mass before each: 0, 0.5, 0.8, 0.95
     assert kept(filter_logits(LOGITS, top_p=top_p)) == expected

@@ -42,6 +42,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="mfsdp loader: the tokenizer's vocabulary size, when the stored tokenizer files are gone",
     )
     p.add_argument(
+        "--hf-keep-vocab-padding",
+        action="store_true",
+        help="hf saver: also write Megatron-LM's padding rows (config vocab_size = padded size), so that "
+        "transformers' softmax spans what training's did and its loss equals ours exactly",
+    )
+    p.add_argument(
         "--make-vocab-size-divisible-by", type=int, default=128, help="hf loader: vocabulary padding (Megatron-LM's)"
     )
     return p
@@ -72,12 +78,14 @@ def main(argv=None) -> int:
             true_vocab_size=args.true_vocab_size,
             target_tp=args.target_tensor_parallel_size,
             target_pp=args.target_pipeline_parallel_size,
+            keep_vocab_padding=args.hf_keep_vocab_padding,
         )
     except (ConversionError, CheckpointError, FileNotFoundError) as err:
         print(f"convert.py: error: {err}", file=sys.stderr)
         return 2
     kind = "LlamaForCausalLM" if loaded.args.get("swiglu") else "GPT2LMHeadModel"
-    print(f"converted {args.loader} {args.load_dir} -> {args.saver} {args.save_dir} ({kind}, {len(loaded.tensors)} tensors)")
+    tensors = len(loaded.tensors)
+    print(f"converted {args.loader} {args.load_dir} -> {args.saver} {args.save_dir} ({kind}, {tensors} tensors)")
     return 0
 
 
