@@ -39,12 +39,12 @@ def test_greedy_and_top_k_1_are_the_argmax():
 def test_sampling_follows_the_distribution_and_the_seed():
     def draws(seed, temperature=1.0):
         g = torch.Generator().manual_seed(seed)
-        return torch.stack([choose(LOGITS, False, temperature, 0, 0.0, g) for _ in range(4000)]).flatten()
+        return torch.stack([choose(LOGITS, False, temperature, 0, 0.0, g) for _ in range(2000)]).flatten()
 
-    counts = torch.bincount(draws(1), minlength=4).float() / 4000
-    assert torch.allclose(counts, PROBS[0], atol=0.03), counts
+    counts = torch.bincount(draws(1), minlength=4).float() / 2000
+    assert torch.allclose(counts, PROBS[0], atol=0.04), counts
     assert torch.equal(draws(5), draws(5)) and not torch.equal(draws(5), draws(6))
-    cold = torch.bincount(draws(1, temperature=0.1), minlength=4).float() / 4000
+    cold = torch.bincount(draws(1, temperature=0.1), minlength=4).float() / 2000
     assert cold[1] > 0.99  # (0.5/0.3)^10 = 165: a low temperature sharpens to the argmax
 
 
