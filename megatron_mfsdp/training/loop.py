@@ -144,10 +144,24 @@ def _set_up(args):
         f"DP={args.data_parallel_size}, optimizer={args.optimizer}, muon: {args.muon_coefficient_type} x "
         f"{args.muon_num_ns_steps} Newton-Schulz steps in {args.muon_ns_dtype}, TP mode {args.muon_tp_mode}, "
         f"micro-batches={args.num_microbatches}, padded vocab={args.padded_vocab_size}"
+        + (_mfsdp_settings(args, chunks[0]) if mode == "matrix_fsdp" else "")
     )
     logging.print_stage_plans(chunks, groups)
+    if mode == "matrix_fsdp":
+        for chunk in chunks:
+            logging.print_rank0(f"> {chunk.traffic_line(args.num_microbatches)}")
     run = _Run(args, groups, chunks, optimizer, scheduler, owns)
     return run, datasets, start
+
+
+def _mfsdp_settings(args, chunk) -> str:
+    from .setup import overlap_grad_reduce
+
+    wire = str(chunk.grad_dtype).removeprefix("torch.")
+    return (
+        f", prefetch depth {args.mfsdp_prefetch_depth}, grad reduce "
+        f"{'overlapped' if overlap_grad_reduce(args) else 'blocking'} in {wire} (owner accumulates in fp32)"
+    )
 
 
 def _maybe_load(args, run) -> int:
