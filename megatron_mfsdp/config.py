@@ -44,7 +44,21 @@ class MatrixFSDPConfig:
     """Reduce gradients in fp32 (else in the parameter dtype); the owner accumulates in fp32."""
 
     prefetch: bool = True
-    """Start gathering the next unit's weights while the current unit computes."""
+    """Start gathering the next units' weights while the current unit computes."""
+
+    prefetch_depth: int = 1
+    """How many units ahead (forward) or behind (backward) to gather while a unit computes."""
+
+    overlap_grad_reduce: bool = False
+    """Launch a unit's gradient reduction asynchronously when its gradients are ready and wait for it only
+    when needed (a bounded number in flight, all landed by finish_grad_sync); the sums are the same."""
+
+    max_reduces_in_flight: int = 2
+    """With overlap_grad_reduce: reductions started but not yet waited for, at most."""
+
+    coalesce: bool = True
+    """One collective per unit for the gather and one for the reduction (False: one broadcast per owner
+    part and one all-to-all per region, the older path, kept for comparison)."""
 
     verify_collectives: bool = True
     """Before every owner collective, all-gather a 3-integer signature and raise on a mismatch
@@ -64,6 +78,10 @@ class MatrixFSDPConfig:
         if self.fp8 is not None and self.fp8.fp8_recipe == "delayed" and any(self.fp8_bf16_layers):
             raise ValueError("--fp8-recipe delayed does not support --first-last-layers-bf16 (as Megatron-LM)")
         _check_choice(self.planner, POLICIES, "--mfsdp-planner", "planner policy")
+        if self.prefetch_depth < 0:
+            raise ValueError(f"prefetch depth {self.prefetch_depth} (--mfsdp-prefetch-depth) must be 0 or more")
+        if self.max_reduces_in_flight < 1:
+            raise ValueError(f"max_reduces_in_flight must be at least 1, got {self.max_reduces_in_flight}")
         for rule in self.param_rules:
             if len(rule) != 2 or rule[1] not in registry.rule_names():
                 raise ValueError(

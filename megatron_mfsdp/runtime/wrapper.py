@@ -16,6 +16,7 @@ returns when that view dies.
 from __future__ import annotations
 
 import contextlib
+from collections import deque
 from collections.abc import Iterator
 
 import torch
@@ -47,6 +48,7 @@ class _UnitState:
         self.full: torch.Tensor | None = None
         self.pending = None  # a PendingGather of a prefetch in flight
         self.forward_refs = 0
+        self.held_to_sites = False  # a tied unit, held in forward from its first module to its last extra site
         self.held_for_backward = False
         self.grads_seen = 0
         self.grad_params = sum(1 for _, p in self.params if p.requires_grad)
@@ -117,7 +119,9 @@ class MatrixFSDP(torch.nn.Module):
         self.device = next(p.device for u in units for _, p in u.params)
         self.plan.element_size = torch.empty(0, dtype=self.param_dtype).element_size()
         grad_dtype = torch.float32 if ddp_config.grad_reduce_in_fp32 else self.param_dtype
-        self.comm = SegmentComm(self.groups, ddp_config.verify_collectives, self.device)
+        self.grad_dtype = grad_dtype  # the wire dtype of the reduction (the owner accumulates in fp32)
+        self.comm = SegmentComm(self.groups, ddp_config.verify_collectives, self.device, ddp_config.coalesce)
+        self._in_flight: deque = deque()  # (unit state, PendingReduce) of reductions not yet waited for
         self._empty = torch.empty(0, dtype=self.param_dtype, device=self.device)
         self.units = [
             _UnitState(u, layout, self.dp_rank, self.param_dtype, grad_dtype, self.device)
@@ -175,7 +179,7 @@ class MatrixFSDP(torch.nn.Module):
         for module, states in acquire_at.items():
             module.register_forward_pre_hook(self._make_pre_forward(module, states))
         for module, states in release_at.items():
-            module.register_forward_hook(self._make_post_forward(states))
+            module.register_forward_hook(self._make_post_forward(module, states))
         for state in self.units:
             for _, p in state.params:
                 if p.requires_grad:
@@ -184,18 +188,21 @@ class MatrixFSDP(torch.nn.Module):
     def _make_pre_forward(self, module, states):
         def hook(module, args):
             for state in states:
-                self._acquire(state)
+                self._acquire(state, "forward")
                 state.forward_refs += 1
                 if module is state.unit.modules[0]:  # not at extra sites (a tied output layer)
-                    self._prefetch(state.layout.index + 1)
+                    state.held_to_sites = bool(state.unit.extra_sites)
+                    self._prefetch(state.layout.index, +1)
 
         return hook
 
-    def _make_post_forward(self, states):
+    def _make_post_forward(self, module, states):
         def hook(module, args, output):
             for state in states:
                 state.forward_refs -= 1
-                if state.forward_refs == 0 and not state.held_for_backward:
+                if state.unit.extra_sites and module is state.unit.extra_sites[-1]:
+                    state.held_to_sites = False  # the tied weight's last use in this forward
+                if state.forward_refs == 0 and not (state.held_for_backward or state.held_to_sites):
                     self._release(state)
             if torch.is_grad_enabled():
                 tensors = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
@@ -209,9 +216,9 @@ class MatrixFSDP(torch.nn.Module):
         def hook(grad):
             for state in states:
                 if state.grad_params and not state.held_for_backward:
-                    self._acquire(state)
+                    self._acquire(state, "backward")
                     state.held_for_backward = True
-                    self._prefetch(state.layout.index - 1)
+                    self._prefetch(state.layout.index, -1)
             return None
 
         return hook
@@ -225,18 +232,24 @@ class MatrixFSDP(torch.nn.Module):
         return hook
 
     # ------------------------------------------------------- materialization
-    def _prefetch(self, index: int) -> None:
-        if not self.ddp_config.prefetch or not 0 <= index < len(self.units):
-            return
-        state = self.units[index]
-        if state.full is None and state.pending is None:
-            state.pending = self.comm.start_gather(state.wire, state.param_segment)
+    def _prefetch(self, index: int, step: int) -> None:
+        """Start gathering the next ``prefetch_depth`` units in this direction (forward +1, backward -1)."""
+        depth = self.ddp_config.prefetch_depth if self.ddp_config.prefetch else 0
+        phase = "forward" if step > 0 else "backward"
+        for ahead in range(index + step, index + step * (depth + 1), step):
+            if not 0 <= ahead < len(self.units):
+                return
+            state = self.units[ahead]
+            if state.full is None and state.pending is None:
+                state.pending = self.comm.start_gather(state.wire, state.param_segment, phase)
 
-    def _acquire(self, state: _UnitState) -> None:
+    def _acquire(self, state: _UnitState, phase: str = "other") -> None:
         if state.full is not None:
             return
         pending = (
-            state.pending if state.pending is not None else self.comm.start_gather(state.wire, state.param_segment)
+            state.pending
+            if state.pending is not None
+            else self.comm.start_gather(state.wire, state.param_segment, phase)
         )
         state.pending = None
         full = pending.wait()
@@ -264,16 +277,29 @@ class MatrixFSDP(torch.nn.Module):
                 [p.grad for _, p in state.params if p.grad is not None and getattr(p, "sequence_parallel", False)],
                 self.groups.tp,
             )
-        flat = torch.zeros(layout.numel, dtype=state.grad_dtype, device=self.device)
-        for slot, p in state.params:
-            if p.grad is not None:
-                flat[slot.offset : slot.offset + slot.numel].copy_(p.grad.reshape(-1))
-                p.grad = None
-        flat.mul_(self.gradient_scaling_factor)
-        state.grad_segment.add_(self.comm.start_reduce(layout, flat).wait())
+        grads = {slot.name: p.grad for slot, p in state.params if p.grad is not None}
+        packed = self.comm.pack_grads(layout, grads, state.grad_dtype, self.gradient_scaling_factor)
+        for _, p in state.params:
+            p.grad = None
+        overlap = self.ddp_config.overlap_grad_reduce
+        pending = self.comm.start_reduce(layout, packed, async_op=overlap)
         state.grads_seen = 0
         state.held_for_backward = False
         self._release(state)
+        self._in_flight.append((state, pending))
+        # FIFO: a unit's reductions land in its fp32 accumulator in micro-batch order, as without overlap.
+        while len(self._in_flight) > (self.ddp_config.max_reduces_in_flight if overlap else 0):
+            self._complete_oldest_reduce()
+
+    @torch.no_grad()
+    def _complete_oldest_reduce(self) -> None:
+        state, pending = self._in_flight.popleft()
+        state.grad_segment.add_(pending.wait())
+
+    def wait_for_reductions(self) -> None:
+        """Land every reduction in flight in its owner's accumulator (before gradient segments are read)."""
+        while self._in_flight:
+            self._complete_oldest_reduce()
 
     # ------------------------------------------------ megatron DDP interface
     def forward(self, *args, **kwargs):
@@ -281,6 +307,7 @@ class MatrixFSDP(torch.nn.Module):
 
     def zero_grad_buffer(self) -> None:
         """Zero this rank's gradient segments (megatron-core DDP's name)."""
+        self.wait_for_reductions()
         for state in self.units:
             state.grad_segment.zero_()
 
@@ -300,8 +327,10 @@ class MatrixFSDP(torch.nn.Module):
         for state in self.units:
             if state.grads_seen or state.held_for_backward:
                 self._reduce_and_release(state)
+        self.wait_for_reductions()
 
     def scale_gradients(self, scaling_factor: float) -> None:
+        self.wait_for_reductions()
         for state in self.units:
             state.grad_segment.mul_(scaling_factor)
 
@@ -329,6 +358,7 @@ class MatrixFSDP(torch.nn.Module):
     def gathered(self, which: str = "param") -> list[torch.Tensor]:
         """Every unit's full flat buffer of parameters ('param') or reduced gradients ('grad'),
         gathered from the owners' segments. Collective."""
+        self.wait_for_reductions()
         out = []
         for state in self.units:
             if which == "param":
@@ -337,6 +367,39 @@ class MatrixFSDP(torch.nn.Module):
             else:
                 out.append(self.comm.start_gather(state.layout, state.grad_segment).wait())
         return out
+
+    def traffic_per_iteration(self, num_micro: int) -> dict[str, tuple[int, int]]:
+        """Bytes per iteration over the shard group, per phase: (ours, ZeRO-3's formula). Ours: each unit
+        is gathered once in forward (a tied embedding is held to the output layer) and once in backward,
+        and reduced once, per micro-batch; every rank r receives (or sends) U - s_r of each unit's U
+        elements. ZeRO-3's: every parameter all-gathered twice and reduce-scattered once, (W-1)/W of it per
+        rank, unpadded, in the parameter dtype (FP8 units gather fewer bytes: ratio below 1).
+        ``comm.traffic`` counts what actually moved (tests compare the two)."""
+        w, b, g = self.dp_size, self.plan.element_size, self.grad_dtype.itemsize
+        units = [s for s in self.units if s.layout.numel]
+        wire = {id(s): (w - 1) * s.wire.numel * s.param_segment.element_size() for s in units}  # FP8: bytes
+        ours_unit = sum(wire[id(s)] for s in units)
+        ours_bwd = sum(wire[id(s)] for s in units if s.grad_params)
+        ours_grad = sum((w - 1) * s.layout.numel for s in units if s.grad_params)
+        params = {id(p): p for s in units for _, p in s.params}  # distinct tensors, as ZeRO-3 shards them
+        numel = sum(slot.numel for s in units for slot, _ in s.params)
+        trained = sum(slot.numel for s in units for slot, p in s.params if p.requires_grad)
+        assert len(params) == sum(len(s.params) for s in units), "a parameter in two units"
+        return {
+            "forward gather": (num_micro * ours_unit, num_micro * (w - 1) * numel * b),
+            "backward gather": (num_micro * ours_bwd, num_micro * (w - 1) * trained * b),
+            "reduction": (num_micro * ours_grad * g, num_micro * (w - 1) * trained * g),
+        }
+
+    def traffic_line(self, num_micro: int) -> str:
+        """The start-up line: bytes per iteration per phase, per rank on average, and the ratio to ZeRO-3's."""
+        parts = []
+        for phase, (ours, zero3) in self.traffic_per_iteration(num_micro).items():
+            ratio = ours / zero3 if zero3 else 1.0
+            parts.append(f"{phase} {ours / self.dp_size / 2**20:.2f} MiB (ZeRO-3 x{ratio:.2f})")
+        return f"traffic per iteration per rank ({num_micro} micro-batches, DP shard {self.dp_size}): " + ", ".join(
+            parts
+        )
 
     def local_bytes(self) -> dict[str, int]:
         """Bytes this rank holds persistently for the model (not the optimizer)."""

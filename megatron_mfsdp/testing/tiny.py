@@ -46,6 +46,7 @@ def tiny_gpt(
     vp_stage=None,
     vocab_size: int = VOCAB,
     seq_length: int = SEQ,
+    tied: bool = True,
     **config_overrides,
 ):
     """A 2-layer GPT (GQA, tied embeddings) built identically on every rank;
@@ -63,6 +64,7 @@ def tiny_gpt(
         pre_process=pre_process,
         post_process=post_process,
         vp_stage=vp_stage,
+        share_embeddings_and_output_weights=tied,
     )
     if by_global_name:
         initialize_by_global_name(

@@ -266,6 +266,19 @@ class Call(tuple):
 class CallLog(list):
     """A :class:`Call` (name, tensor elements; ``nbytes``, ``dtypes``) per collective call, in call order."""
 
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.tensors: list[list[tuple[int, torch.dtype]]] = []  # per call: (elements, dtype) of each tensor
+
+    def bytes_of(self, name: str, which=slice(None)) -> list[int]:
+        """Per call of ``name``: bytes of its tensors (``which`` picks them: 0 = the first, an output)."""
+        out = []
+        for (n, _), tensors in zip(self, self.tensors):
+            if n == name:
+                picked = tensors[which] if isinstance(which, slice) else [tensors[which]]
+                out.append(sum(k * dtype.itemsize for k, dtype in picked))
+        return out
+
     def summary(self):
         """(number of calls other than barriers, {name: (calls, elements)})."""
         tensor_calls = [(n, k) for n, k in self if n != "barrier"]
@@ -302,6 +315,7 @@ class count_collectives:
                 numel = sum(t.numel() for t in tensors)
                 nbytes = sum(t.numel() * t.element_size() for t in tensors)
                 self.calls.append(Call(_name, numel, nbytes, tuple(t.dtype for t in tensors)))
+                self.calls.tensors.append([(t.numel(), t.dtype) for t in tensors])
                 return _fn(*args, **kwargs)
 
             setattr(dist, name, wrapper)

@@ -78,7 +78,22 @@ def iteration_line(
     line += f" number of skipped iterations: {skipped:3d} | number of nan iterations: {nans:3d} |"
     # Ours, after Megatron-LM's fields: the slowest rank's optimizer step, and tokens per second.
     line += f" optimizer step time (ms): {extra['step_ms']:.1f} | tokens per second: {extra['tokens_per_s']:.1f} |"
-    return line
+    return line + extra.get("spread", "")
+
+
+def timing_spread(option: str, per_rank: list) -> str:
+    """The iteration line's tail for --timing-log-option (Megatron's timers' choices): the line itself
+    shows the slowest rank's times; minmax adds the fastest and slowest, all every rank's (in ms)."""
+    if option == "max" or len(per_rank) < 2:
+        return ""
+    fields = []
+    for label, column in zip(("iteration time", "optimizer step time"), zip(*per_rank)):
+        ms = [1000 * t for t in column]
+        if option == "minmax":
+            fields.append(f" {label} min/max over ranks (ms): {min(ms):.1f}/{max(ms):.1f} |")
+        else:
+            fields.append(f" {label} per rank (ms): {', '.join(f'{t:.1f}' for t in ms)} |")
+    return "".join(fields)
 
 
 def validation_lines(prefix: str, loss: float) -> str:

@@ -144,10 +144,24 @@ def _set_up(args):
         f"DP={args.data_parallel_size}, optimizer={args.optimizer}, muon: {args.muon_coefficient_type} x "
         f"{args.muon_num_ns_steps} Newton-Schulz steps in {args.muon_ns_dtype}, TP mode {args.muon_tp_mode}, "
         f"micro-batches={args.num_microbatches}, padded vocab={args.padded_vocab_size}"
+        + (_mfsdp_settings(args, chunks[0]) if mode == "matrix_fsdp" else "")
     )
     logging.print_stage_plans(chunks, groups)
+    if mode == "matrix_fsdp":
+        for chunk in chunks:
+            logging.print_rank0(f"> {chunk.traffic_line(args.num_microbatches)}")
     run = _Run(args, groups, chunks, optimizer, scheduler, owns)
     return run, datasets, start
+
+
+def _mfsdp_settings(args, chunk) -> str:
+    from .setup import overlap_grad_reduce
+
+    wire = str(chunk.grad_dtype).removeprefix("torch.")
+    return (
+        f", prefetch depth {args.mfsdp_prefetch_depth}, grad reduce "
+        f"{'overlapped' if overlap_grad_reduce(args) else 'blocking'} in {wire} (owner accumulates in fp32)"
+    )
 
 
 def _maybe_load(args, run) -> int:
@@ -191,9 +205,11 @@ def _log(args, run, writers, timers, iteration: int, interval: _Interval, gbs: i
     grad_norm, zeros = stats
     dist.barrier()  # the slowest rank decides the elapsed time, as Megatron-LM's barrier'd timer
     count = interval.advanced + interval.skipped
-    elapsed = interval.elapsed_s() / count
-    step = torch.tensor([interval.step_s / count], dtype=torch.float64, device=run.device)
-    dist.all_reduce(step, op=dist.ReduceOp.MAX)
+    mine = torch.tensor([interval.elapsed_s() / count, interval.step_s / count], dtype=torch.float64, device=run.device)
+    per_rank = torch.empty(dist.get_world_size() * 2, dtype=torch.float64, device=run.device)
+    dist.all_gather_into_tensor(per_rank, mine)
+    per_rank = per_rank.view(-1, 2).tolist()  # (iteration s, optimizer step s) of every rank
+    elapsed, step_s = (max(column) for column in zip(*per_rank))  # the slowest rank's, as Megatron's timers
     lr = run.optimizer.param_groups[0]["lr"]
     loss = interval.loss / max(1, interval.advanced)
     params_norm = steps.params_norm(run) if args.log_params_norm else None
@@ -202,7 +218,12 @@ def _log(args, run, writers, timers, iteration: int, interval: _Interval, gbs: i
         if args.log_throughput
         else None
     )
-    extra = dict(tflops=tflops, step_ms=step.item() * 1000, tokens_per_s=gbs * args.seq_length / elapsed)
+    extra = dict(
+        tflops=tflops,
+        step_ms=step_s * 1000,
+        tokens_per_s=gbs * args.seq_length / elapsed,
+        spread=logging.timing_spread(args.timing_log_option, per_rank),
+    )
     logging.print_rank_last(
         logging.iteration_line(
             args,

@@ -39,6 +39,8 @@ def runtime_config(args) -> MatrixFSDPConfig:
         muon_split_qkv=args.muon_split_qkv,
         verify_collectives=args.mfsdp_verify_collectives,
         grad_reduce_in_fp32=args.accumulate_allreduce_grads_in_fp32 or not low_precision,
+        prefetch_depth=args.mfsdp_prefetch_depth,
+        overlap_grad_reduce=overlap_grad_reduce(args),
         **fp8_runtime_fields(args),
     )
 
@@ -54,6 +56,12 @@ def fp8_runtime_fields(args) -> dict:
         (args.num_layers_at_start_in_bf16, args.num_layers_at_end_in_bf16) if args.first_last_layers_bf16 else (0, 0)
     )
     return {"fp8": fp8, "fp8_bf16_layers": bf16_layers}
+
+
+def overlap_grad_reduce(args) -> bool:
+    """MatrixFSDP overlaps its reductions with --overlap-grad-reduce, and by default on CUDA (where the
+    wire runs beside the compute); on a CPU the backend's threads compete with the compute for cores."""
+    return bool(args.overlap_grad_reduce or torch.cuda.is_available())
 
 
 def _same_named(cls, args, **overrides) -> dict:

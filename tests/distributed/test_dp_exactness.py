@@ -20,13 +20,13 @@ from megatron_mfsdp.testing import (
 STEPS = 3
 
 
-def _train_worker(rank, world_size, steps, num_micro, opt_overrides, model_overrides):
+def _train_worker(rank, world_size, steps, num_micro, opt_overrides, model_overrides, ddp_overrides=None):
     from megatron_mfsdp import MatrixFSDP, MatrixFSDPConfig, get_megatron_optimizer
 
     init_megatron()
     config, model = tiny_gpt(**model_overrides)
     opt_config = optimizer_config(**opt_overrides)
-    ddp = MatrixFSDP(config, MatrixFSDPConfig(), model)
+    ddp = MatrixFSDP(config, MatrixFSDPConfig(**(ddp_overrides or {})), model)
     opt = get_megatron_optimizer(opt_config, [ddp])
     step_calls, losses = [], []
     for step in range(1, steps + 1):
@@ -85,9 +85,11 @@ def _compare(results, reference, exact: bool, atol: float = 0.0):
     return worst
 
 
-@pytest.mark.parametrize("num_micro", [1, 4])
-def test_dp2_bitwise_equals_single_process(num_micro):
-    results = run_workers(2, _train_worker, STEPS, num_micro, {}, {})
+# Four micro-batches run with the reductions overlapped (several in flight, waited for in order) and
+# two units prefetched ahead: the owner still sums in rank order, so the result stays bitwise.
+@pytest.mark.parametrize("num_micro,ddp_overrides", [(1, {}), (4, {"overlap_grad_reduce": True, "prefetch_depth": 2})])
+def test_dp2_bitwise_equals_single_process(num_micro, ddp_overrides):
+    results = run_workers(2, _train_worker, STEPS, num_micro, {}, {}, ddp_overrides)
     reference = run_workers(1, _reference_worker, 2, STEPS, num_micro, {}, {})[0]
     worst = _compare(results, reference, exact=True)
     print(f"DP=2 micro={num_micro}: max |delta| = {worst:.3e}")

@@ -163,9 +163,9 @@ def _bytes_worker(rank, world, recipe):
         _iteration(ddp, opt, rank, world, 1, 1)  # warm-up, then one steady iteration is counted
         gathered, start = [], ddp.comm.start_gather
 
-        def spy(layout, segment, _start=start, _gathered=gathered):
+        def spy(layout, segment, *args, _start=start, _gathered=gathered):
             _gathered.append(layout.index)
-            return _start(layout, segment)
+            return _start(layout, segment, *args)
 
         ddp.comm.start_gather = spy
         with count_collectives() as calls:
@@ -174,14 +174,11 @@ def _bytes_worker(rank, world, recipe):
     return out
 
 
-GATHER_DTYPES = (torch.uint8, torch.bfloat16)
-
-
 def _gather_bytes(calls) -> int:
-    """Bytes of the weight gathers: every collective other than the gradient reduction and the
-    all-reduces, whose tensors are bytes or bf16 (the plan signatures are int64)."""
-    reduce = ("all_to_all_single", "all_reduce")
-    return sum(c.nbytes for c in calls if c[0] not in reduce and set(c.dtypes) & set(GATHER_DTYPES))
+    """Bytes of the weight gathers: the gather moves raw bytes (uint8) in one all_to_all_single per unit
+    (runtime/comm.py); at W=2 its send (s_r) and receive (U - s_r) buffers add up to the unit's U bytes.
+    The reduction is fp32 and the plan signatures int64."""
+    return sum(c.nbytes for c in calls if set(c.dtypes) == {torch.uint8})
 
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "blockwise"])

@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from .types import finite_float, positive_int, probability
+from .types import finite_float, nonnegative_int, positive_int, probability
 
 
 def _field(cls, name: str):
@@ -135,6 +135,14 @@ def add_mfsdp_args(p: argparse.ArgumentParser) -> None:
         metavar="PATTERN=RULE",
         help="put parameters whose name matches PATTERN (fnmatch) under update rule RULE "
         f"({', '.join(registry.rule_names())})",
+    )
+    g.add_argument(
+        "--mfsdp-prefetch-depth",
+        type=nonnegative_int,
+        default=config_default(R, "prefetch_depth"),
+        metavar="N",
+        help="gather the next N units' weights (forward) or previous N (backward) while a unit computes; "
+        "0: gather each unit when it is needed. Each costs one unit's weights of transient memory",
     )
     g.add_argument(
         "--mfsdp-no-verify-collectives",

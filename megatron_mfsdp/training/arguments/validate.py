@@ -408,11 +408,15 @@ def validate_optimizer(args) -> None:
                 args.use_distributed_optimizer,
                 "optimizer state is already sharded by owner",
             ),
-            ("--overlap-grad-reduce", args.overlap_grad_reduce, "gradients are reduced to their owners per unit"),
+            (
+                "--overlap-grad-reduce",
+                args.overlap_grad_reduce,
+                "each unit's reduction to its owners starts asynchronously when its gradients are ready",
+            ),
             (
                 "--overlap-param-gather",
                 args.overlap_param_gather,
-                "each unit's weights are prefetched from their owners one unit ahead",
+                "each unit's weights are prefetched from their owners --mfsdp-prefetch-depth units ahead",
             ),
         ):
             if on:
