@@ -1,29 +1,130 @@
-"""megatron-core dist_checkpointing of the optimizer state: keys are global parameter
-names and shards are element ranges, so what one DP size saves another loads (see
-MatrixFSDPOptimizer.sharded_state_dict)."""
+"""``--ckpt-format torch_dist``: megatron-core dist_checkpointing in Megatron-LM's layout.
+
+Every tensor is a megatron-core ShardedTensor under megatron-core's GPTModel key (the unsplit
+model's name, layers stacked on a leading axis, TP offsets, SwiGLU fc1 as two halves), narrowed to
+the element range this rank owns (``flattened_range``); masters and moments use
+DistributedOptimizer's ``optimizer.state.<name>.<key>`` keys. What one TP x PP x DP layout saved,
+any other reads. Non-tensor state (arguments, step counts, the scheduler) is plain values in
+megatron-core's common state; generator states are per-rank tensors."""
 
 from __future__ import annotations
 
-import os
+import torch
+import torch.distributed as dist
 
 from ..compat.cpu import cuda_on_cpu
 
+RNG_KEY = "rng_state"
 
-def save_optimizer_distributed(optimizer, checkpoint_dir: str) -> None:
-    """Save the optimizer's state with megatron-core dist_checkpointing (collective).
-    Keys are global parameter names and shards are element ranges, so the result
-    loads at another DP size (see MatrixFSDPOptimizer.sharded_state_dict)."""
+
+def _layout(groups) -> dict:
+    from ..groups import group_rank, group_size
+
+    return {
+        name: (group_rank(g), group_size(g)) for name, g in (("pp", groups.pp), ("tp", groups.tp), ("dp", groups.dp))
+    }
+
+
+def layout_sizes(groups) -> list[int]:
+    """[PP, TP, DP] of this job."""
+    return [size for _, size in _layout(groups).values()]
+
+
+def rng_sharded(states: dict[str, torch.Tensor], groups) -> dict:
+    """One row per (PP, TP, DP) rank of every generator state."""
+    from megatron.core.dist_checkpointing import ShardedTensor
+
+    (pp, pps), (tp, tps), (dp, dps) = _layout(groups).values()
+    return {
+        name: ShardedTensor.from_rank_offsets(
+            f"{RNG_KEY}.{name}", t, (0, pp, pps), (1, tp, tps), (2, dp, dps), replica_id=0, prepend_axis_num=3
+        )
+        for name, t in states.items()
+    }
+
+
+def model_key(index: int, count: int) -> str:
+    """Megatron-LM's state-dict key of a model chunk: ``model``, or ``model0``, ``model1``... with VP."""
+    return "model" if count == 1 else f"model{index}"
+
+
+def sharded_model(chunks, megatron_ddp: bool) -> dict:
+    out = {}
+    for i, chunk in enumerate(chunks):
+        if megatron_ddp:
+            with cuda_on_cpu():
+                out[model_key(i, len(chunks))] = chunk.sharded_state_dict()
+        else:
+            out[model_key(i, len(chunks))] = chunk.sharded_state_dict()
+    return out
+
+
+def sharded_optimizer(optimizer, model_sd: dict, megatron_ddp: bool, is_loading: bool):
+    """Ours: masters and moments by owner range. megatron-core's: its own DistributedOptimizer in
+    'fully_sharded_model_space' (the layout ours mirrors), so the tensor keys agree."""
+    if megatron_ddp:
+        metadata = {"distrib_optim_sharding_type": "fully_sharded_model_space"}
+        with cuda_on_cpu():
+            return optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=metadata)
+    return {"state": optimizer.sharded_state_dict(), "common": optimizer.common_state_dict()}
+
+
+def save_state_dict(state: dict, folder: str) -> None:
+    """dist_checkpointing.save into an existing empty folder (collective)."""
     from megatron.core import dist_checkpointing
 
-    os.makedirs(checkpoint_dir, exist_ok=True)
     with cuda_on_cpu():
-        dist_checkpointing.save(optimizer.sharded_state_dict(), checkpoint_dir)
+        dist_checkpointing.save(state, folder)
 
 
-def load_optimizer_distributed(optimizer, checkpoint_dir: str) -> None:
-    """Load what :func:`save_optimizer_distributed` wrote, into this rank's pieces."""
+def async_save_request(state: dict, folder: str):
+    """dist_checkpointing's asynchronous save: planning now (collective), the write in the background."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+
+    with cuda_on_cpu():
+        strategy = TorchDistSaveShardedStrategy("torch_dist", 1)
+        return dist_checkpointing.save(state, folder, strategy, async_sharded_save=True)
+
+
+def load_common(folder: str) -> dict:
+    """The common state (rank 0's non-sharded values), read with torch's weights_only loader."""
+    import os
+
+    path = os.path.join(folder, "common.pt")
+    if not os.path.isfile(path):
+        raise ValueError(f"checkpoint file {path} is missing")
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def load_state_dict(request: dict, folder: str, strict: str) -> dict:
     from megatron.core import dist_checkpointing
 
     with cuda_on_cpu():
-        loaded = dist_checkpointing.load(optimizer.sharded_state_dict(is_loading=True), checkpoint_dir)
-    optimizer.load_sharded_state_dict(loaded)
+        return dist_checkpointing.load(request, folder, strict=strict)
+
+
+def copy_loaded(request, loaded) -> None:
+    """Copy loaded tensors into the request's own tensors where dist_checkpointing returned new ones."""
+    from megatron.core.dist_checkpointing import ShardedTensor
+
+    if isinstance(request, dict):
+        for key, value in request.items():
+            if key in loaded:
+                copy_loaded(value, loaded[key])
+    elif isinstance(request, (list, tuple)):
+        for value, got in zip(request, loaded):
+            copy_loaded(value, got)
+    elif isinstance(request, ShardedTensor) and isinstance(loaded, torch.Tensor):
+        if loaded.data_ptr() != request.data.data_ptr():
+            with torch.no_grad():
+                request.data.copy_(loaded.reshape(request.data.shape))
+
+
+def broadcast_error(message: str | None) -> None:
+    """Raise the same error on every rank when rank 0 found one."""
+    box = [message]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(box, src=0)
+    if box[0]:
+        raise ValueError(box[0])

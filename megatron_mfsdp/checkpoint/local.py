@@ -1,15 +1,9 @@
-"""Per-rank checkpoints, written atomically.
+"""``--ckpt-format torch``: one file per rank of this exact layout, fast to write and read.
 
-Layout (Megatron-LM's folder and tracker names)::
-
-    SAVE/iter_0000100/rank_00000.pt    this rank's segments, optimizer and scheduler state
-    SAVE/latest_checkpointed_iteration.txt
-
-Each file is written to a temporary name and renamed; the tracker file is
-replaced only after every rank has renamed its file, so a save that fails part
-way leaves the previous checkpoint the one that loads. These files are tied to
-the layout (DP size, planner, model): loading checks the plan digest.
-"""
+``SAVE/iter_0000100/rank_00000.pt`` holds the rank's weight segments, optimizer state, scheduler,
+generator states and the arguments, all tensors and plain values (read back with
+``weights_only=True``). The folder is written like a torch_dist one (files.py: temporary folder,
+checksums, tracker last). It loads only at the same layout: the plan digests are checked."""
 
 from __future__ import annotations
 
@@ -18,59 +12,60 @@ import os
 import torch
 import torch.distributed as dist
 
-TRACKER = "latest_checkpointed_iteration.txt"
+from . import resume
+from . import state as ckpt_state
 
 
-def _atomic_save(obj, path: str) -> None:
-    tmp = f"{path}.tmp.{os.getpid()}"
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
+def _path(folder: str, rank: int) -> str:
+    return os.path.join(folder, f"rank_{rank:05d}.pt")
 
 
-def save_checkpoint(save_dir: str, iteration: int, chunks, optimizer, scheduler, args) -> str:
-    rank = dist.get_rank()
-    folder = os.path.join(save_dir, f"iter_{iteration:07d}")
-    os.makedirs(folder, exist_ok=True)
-    state = {
+def rank_state(args, iteration: int, chunks, optimizer, scheduler, consumed) -> dict:
+    if not hasattr(chunks[0], "units"):
+        raise ValueError("--ckpt-format torch is for --use-matrix-fsdp and Muon runs; use torch_dist (the default)")
+    saved_args = ckpt_state.args_dict(args)
+    saved_args["consumed_train_samples"], saved_args["consumed_valid_samples"] = consumed
+    return {
         "iteration": iteration,
+        "world_size": dist.get_world_size(),
         "plan_digest": [chunk.plan.digest() for chunk in chunks],
         "model": [unit.param_segment.clone() for chunk in chunks for unit in chunk.units],
         "optimizer": optimizer.state_dict(),
-        "scheduler": scheduler.state_dict(),
-        "rng": torch.get_rng_state(),
-        "args": {k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, bool, type(None)))},
+        "opt_param_scheduler": scheduler.state_dict(),
+        "rng": ckpt_state.rng_tensors(),
+        "args": saved_args,
     }
-    _atomic_save(state, os.path.join(folder, f"rank_{rank:05d}.pt"))
-    dist.barrier()
-    if rank == 0:
-        tmp = os.path.join(save_dir, TRACKER + ".tmp")
-        with open(tmp, "w") as f:
-            f.write(str(iteration))
-        os.replace(tmp, os.path.join(save_dir, TRACKER))
-    dist.barrier()
-    return folder
 
 
-def load_checkpoint(load_dir: str, chunks, optimizer, scheduler) -> int | None:
-    """Load the latest checkpoint in ``load_dir``; return its iteration, or None if there is none."""
-    tracker = os.path.join(load_dir, TRACKER)
-    if not os.path.isfile(tracker):
-        return None
-    with open(tracker) as f:
-        iteration = int(f.read().strip())
-    path = os.path.join(load_dir, f"iter_{iteration:07d}", f"rank_{dist.get_rank():05d}.pt")
+def save_rank_file(folder: str, state: dict) -> None:
+    torch.save(state, _path(folder, dist.get_rank()))
+
+
+def read_args(folder: str) -> dict:
+    return torch.load(_path(folder, 0), map_location="cpu", weights_only=True)["args"]
+
+
+def load_rank_file(args, folder: str, chunks, optimizer, scheduler) -> dict:
+    """Load this rank's file (already checksum-verified) into the job; returns the saved state."""
+    path = _path(folder, dist.get_rank())
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"--load {load_dir}: {path} is missing (saved with a different world size?)")
-    state = torch.load(path, weights_only=False)
-    if state["plan_digest"] != [chunk.plan.digest() for chunk in chunks]:
+        raise ValueError(f"--load: {path} is missing (saved with another world size? use --ckpt-format torch_dist)")
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    resume.check_same_model(args, state["args"], path)
+    if state["world_size"] != dist.get_world_size() or state["plan_digest"] != [c.plan.digest() for c in chunks]:
         raise ValueError(
-            f"--load {load_dir}: checkpoint was saved with a different MatrixFSDP layout "
-            "(DP size, planner, parameter rules or model shape)"
+            f"--load: {path} was saved with another layout (world size, DP size, planner, parameter rules); "
+            "--ckpt-format torch loads only at the layout that saved it, torch_dist (the default) at any"
         )
     with torch.no_grad():
         for unit, segment in zip([u for chunk in chunks for u in chunk.units], state["model"]):
             unit.param_segment.copy_(segment)
-    optimizer.load_state_dict(state["optimizer"])
-    scheduler.load_state_dict(state["scheduler"])
-    torch.set_rng_state(state["rng"])
-    return iteration
+    if not (args.finetune or args.no_load_optim):
+        resume.check_schedule(args, scheduler, state["opt_param_scheduler"], state["args"], folder)
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["opt_param_scheduler"])
+    else:
+        optimizer.reload_model_params()
+    if not (args.finetune or args.no_load_rng):
+        ckpt_state.set_rng_tensors(state["rng"])
+    return state

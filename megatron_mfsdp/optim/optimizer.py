@@ -385,52 +385,76 @@ class MatrixFSDPOptimizer(MegatronOptimizer):
                 self.grad_scaler.load_state_dict(state_dict["grad_scaler"])
 
     def _state_tensors(self, owned: OwnedPiece):
-        return [("master", owned.master)] + sorted(owned.state.items())
+        """(megatron's state name, tensor): the master is DistributedOptimizer's ``fp32_param``."""
+        return [("fp32_param", owned.master)] + sorted(owned.state.items())
+
+    def _sharded_groups(self) -> dict[tuple[int, str], dict[str, torch.Tensor]]:
+        """(chunk index, state name) -> {local parameter name: that state's tensor of the owned piece}."""
+        where = {
+            glob: (i, local) for i, chunk in enumerate(self.model_chunks) for local, glob in chunk.global_names.items()
+        }
+        groups: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+        for _, owned in self._pieces():
+            index, local = where[owned.global_name]
+            for tag, tensor in self._state_tensors(owned):
+                groups.setdefault((index, tag), {})[local] = tensor
+        return groups
 
     def sharded_state_dict(self, model_sharded_state_dict=None, is_loading: bool = False, metadata=None):
-        """Optimizer state as megatron-core dist_checkpointing ShardedTensors.
-
-        Each global parameter's master and moments are saved as a flat 1-D tensor of its
-        full numel; every owned piece is the uneven shard ``[param_offset, +numel)`` of it
-        (no regular grid: coverage is checked by DCP). Keys hold global names, so a load
-        at another DP size reads the same tensors with different offsets."""
-        from megatron.core.dist_checkpointing import ShardedObject, ShardedTensor
+        """Masters and moments as megatron-core ShardedTensors in DistributedOptimizer's
+        'fully_sharded_model_space' layout (megatron/core/optimizer/distrib_optimizer.py at
+        core_v0.16.1: ``sharded_param_state_fs_model_space``): key ``optimizer.state.<name>.<model
+        key>``, the model tensor's TP offsets, and this rank's owned element range of it. So any TP,
+        PP, DP or replica layout reads what another saved. Step counts and lr groups travel in
+        :meth:`common_state_dict`."""
+        from megatron.core.dist_checkpointing import ShardedTensor
 
         sharded = {}
-        for _, owned in self._pieces():
-            for tag, tensor in self._state_tensors(owned):
-                flat = tensor.view(-1)
-                sharded[f"{tag}.{owned.key}"] = ShardedTensor(
-                    key=f"optimizer.{tag}.{owned.global_name}",
-                    data=flat,
-                    dtype=flat.dtype,
-                    local_shape=(flat.numel(),),
-                    global_shape=(owned.param_numel,),
-                    global_offset=(owned.param_offset,),
-                    axis_fragmentations=None,
-                )
+        for (index, tag), tensors in self._sharded_groups().items():
+            chunk = self.model_chunks[index]
+            for local, shards in chunk.piece_shards(tensors, f"optimizer.state.{tag}.", metadata).items():
+                sharded[f"{index}.{tag}.{local}"] = shards
         for key, st in self._fp8_states():  # a whole matrix's small state lives on its owner alone
             name = key.rsplit("@", 1)[0]
             for tag, tensor in sorted(st.items()):
                 sharded[f"fp8_{tag}.{key}"] = ShardedTensor.from_rank_offsets(f"optimizer.fp8_{tag}.{name}", tensor)
-        sharded["step"] = ShardedObject("optimizer.step", self.step_count, (1,), (0,), replica_id=dist.get_rank())
         return sharded
 
     @torch.no_grad()
     def load_sharded_state_dict(self, loaded) -> None:
         """Apply what ``dist_checkpointing.load`` returned for :meth:`sharded_state_dict`."""
-        for _, owned in self._pieces():
-            for tag, tensor in self._state_tensors(owned):
-                value = loaded[f"{tag}.{owned.key}"]
-                if value.data_ptr() != tensor.data_ptr():
-                    tensor.view(-1).copy_(value)
+        for (index, tag), tensors in self._sharded_groups().items():
+            for local, tensor in tensors.items():
+                flat, at = tensor.view(-1), 0
+                for value in loaded[f"{index}.{tag}.{local}"]:
+                    if value.data_ptr() != flat[at:].data_ptr():
+                        flat[at : at + value.numel()].copy_(value.reshape(-1))
+                    at += value.numel()
         for key, st in self._fp8_states():
             for tag, tensor in st.items():
                 value = loaded[f"fp8_{tag}.{key}"]
                 if value.data_ptr() != tensor.data_ptr():
                     tensor.copy_(value)
         self._sync_model_from_masters()
-        self.step_count = loaded["step"]
+
+    def common_state_dict(self) -> dict:
+        """What is the same on every rank: step count, lr groups, loss scaler (plain values and tensors)."""
+        return {
+            "step": self.step_count,
+            "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups],
+            "grad_scaler": self.grad_scaler.state_dict() if self.grad_scaler is not None else None,
+        }
+
+    def load_common_state_dict(self, state: dict) -> None:
+        """The lr groups' values come back where the group count matches; their rule stays this run's
+        (muon and muon_tp differ only by TP size). The scheduler sets lr and wd on load anyway."""
+        self.step_count = state["step"]
+        if len(state["param_groups"]) == len(self.optimizer.param_groups):
+            for group, saved in zip(self.optimizer.param_groups, state["param_groups"]):
+                group.update({k: v for k, v in saved.items() if k != "optimizer"})
+        if self.grad_scaler is not None and state.get("grad_scaler") is not None:
+            with cuda_on_cpu():
+                self.grad_scaler.load_state_dict(state["grad_scaler"])
 
     def local_bytes(self) -> dict[str, int]:
         """Bytes this rank holds for the optimizer (masters beyond fp32 params, states)."""

@@ -16,6 +16,7 @@ returns when that view dies.
 from __future__ import annotations
 
 import contextlib
+import math
 from collections import deque
 from collections.abc import Iterator
 
@@ -23,7 +24,7 @@ import torch
 from torch.utils._pytree import tree_flatten
 
 from ..config import MatrixFSDPConfig
-from ..groups import ProcessGroups
+from ..groups import ProcessGroups, group_rank
 from ..models import ModelAdapter, ModelUnit, adapter_for
 from ..optim import registry
 from ..placement.layout import ParamSpec, Plan, UnitLayout, UnitSpec
@@ -78,6 +79,29 @@ def unit_specs(units: list[ModelUnit], ddp_config: MatrixFSDPConfig, adapter: Mo
             )
         specs.append(UnitSpec(unit.name, params))
     return specs
+
+
+def flat_boxes(lo: int, hi: int, shape: tuple[int, ...]) -> list[tuple[tuple, tuple, int]]:
+    """The flat element range [lo, hi) of a C-contiguous tensor of ``shape`` as boxes
+    (offset, size, flat start), in order: a partial leading row, whole rows, a partial last row."""
+    if len(shape) <= 1:
+        return [((lo,), (hi - lo,), lo)]
+    inner = math.prod(shape[1:])
+    first, last = lo // inner, (hi - 1) // inner
+    if first == last and (lo % inner or hi - lo < inner):
+        return [
+            ((first, *o), (1, *s), first * inner + a)
+            for o, s, a in flat_boxes(lo % inner, lo % inner + hi - lo, shape[1:])
+        ]
+    boxes, begin, end = [], lo, (hi // inner) * inner
+    if lo % inner:
+        begin = (first + 1) * inner
+        boxes += flat_boxes(lo, begin, shape)
+    if end > begin:
+        boxes.append(((begin // inner, *(0,) * (len(shape) - 1)), ((end - begin) // inner, *shape[1:]), begin))
+    if hi > end:
+        boxes += flat_boxes(end, hi, shape)
+    return boxes
 
 
 class MatrixFSDP(torch.nn.Module):
@@ -407,3 +431,90 @@ class MatrixFSDP(torch.nn.Module):
             "params": sum(s.param_segment.numel() * s.param_segment.element_size() for s in self.units),
             "grads": sum(s.grad_segment.numel() * s.grad_segment.element_size() for s in self.units),
         }
+
+    # ------------------------------------------------------ checkpoint shards
+    @torch.no_grad()
+    def shard_metadata(self, metadata=None) -> dict[str, list]:
+        """Local parameter name -> [(megatron ShardedTensor, flat start in the TP-local tensor)]:
+        megatron-core's own ``sharded_state_dict`` of the module (keys, layer and TP offsets, replica
+        ids; SwiGLU fc1 as its two halves), computed on shape-only stand-ins of the released weights."""
+        from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
+
+        if getattr(self, "_shard_metadata", None) is None:
+            names = {id(p): name for name, p in self.module.named_parameters()}
+            kept = {}
+            for state in self.units:
+                for slot, p in state.params:
+                    kept[id(p)] = p.data
+                    p.data = torch.empty((), dtype=p.dtype, device=p.device).expand(slot.shape)
+            try:
+                sharded = self.module.sharded_state_dict(prefix="", metadata=metadata)
+            finally:
+                for state in self.units:
+                    for _, p in state.params:
+                        p.data = kept[id(p)]
+            out = {}
+            for sh in sharded.values():
+                if id(getattr(sh, "data", None)) not in names:
+                    continue  # _extra_state objects: not tensors, not saved
+                parts = (
+                    sh.build_fn(sh.key, sh.data, sh.replica_id, None) if isinstance(sh, ShardedTensorFactory) else [sh]
+                )
+                starts, start = [], 0
+                for part in parts:
+                    starts.append(start)
+                    start += math.prod(part.local_shape)
+                out[names[id(sh.data)]] = list(zip(parts, starts))
+            self._shard_metadata = out
+        return self._shard_metadata
+
+    def piece_shards(self, tensors: dict[str, torch.Tensor], key_prefix: str = "", metadata=None) -> dict[str, list]:
+        """ShardedTensors of this rank's pieces: ``tensors`` maps a local parameter name to the flat
+        data of its piece (weights, a master, a moment); the element range it covers of megatron's
+        tensor(s) becomes at most three boxes per dimension (partial row, whole rows, partial row),
+        uneven shards that DCP checks for coverage (megatron-core 0.16.1 refuses flattened_range).
+        Keys are ``key_prefix + megatron key``; the DP coordinate of the replica id is the replica
+        rank: owners' ranges are disjoint."""
+        from megatron.core.dist_checkpointing import ShardedTensor
+
+        replica = group_rank(self.groups.replica)
+        by_name = {piece.slot.name: piece for state in self.units for piece in state.pieces}
+        out = {}
+        for name, data in tensors.items():
+            piece, flat = by_name[name], data.reshape(-1)
+            shards = []
+            for sh, start in self.shard_metadata(metadata)[name]:
+                lo = max(start, piece.param_offset) - start
+                hi = min(start + math.prod(sh.local_shape), piece.param_offset + piece.numel) - start
+                for offset, size, at in flat_boxes(lo, hi, tuple(sh.local_shape)) if lo < hi else ():
+                    begin, pre = start + at - piece.param_offset, sh.prepend_axis_num
+                    # Uneven shards take full-rank shapes: megatron's uneven path ignores prepend_axis_num.
+                    size = (1,) * pre + size
+                    shards.append(
+                        ShardedTensor(
+                            key=key_prefix + sh.key,
+                            data=flat[begin : begin + math.prod(size)].view(size),
+                            dtype=flat.dtype,
+                            local_shape=size,
+                            global_shape=sh.global_shape,
+                            global_offset=(
+                                *sh.global_offset[:pre],
+                                *(g + o for g, o in zip(sh.global_offset[pre:], offset)),
+                            ),
+                            axis_fragmentations=None,
+                            replica_id=(*sh.replica_id[:2], replica),
+                        )
+                    )
+            out[name] = shards
+        return out
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None) -> dict[str, list]:
+        """The weights this rank holds, as megatron-core dist_checkpointing ShardedTensors under
+        megatron-core's GPTModel keys (see :meth:`piece_shards`)."""
+        segments = {}
+        for state in self.units:
+            for piece in state.pieces:
+                segments[piece.slot.name] = state.param_segment[
+                    piece.segment_offset : piece.segment_offset + piece.numel
+                ]
+        return {prefix + name: shards for name, shards in self.piece_shards(segments, metadata=metadata).items()}

@@ -165,18 +165,18 @@ def _mfsdp_settings(args, chunk) -> str:
 
 
 def _maybe_load(args, run) -> int:
-    from ..checkpoint.local import load_checkpoint
+    from ..checkpoint import load_checkpoint
 
     if not args.load:
         return 0
-    iteration = load_checkpoint(args.load, run.chunks, run.optimizer, run.scheduler)
-    if iteration is None:
+    loaded = load_checkpoint(args, run.chunks, run.optimizer, run.scheduler, run.groups)
+    if loaded is None:
         if args.exit_on_missing_checkpoint:
             raise SystemExit(f"--load {args.load}: no checkpoint found and --exit-on-missing-checkpoint is set")
         logging.print_rank0(f"> no checkpoint found in {args.load}, starting from scratch")
         return 0
-    logging.print_rank0(f"> loaded checkpoint from {args.load} at iteration {iteration}")
-    return iteration
+    run.consumed_train, run.consumed_valid = loaded["consumed_train"], loaded["consumed_valid"]
+    return loaded["iteration"]
 
 
 class _Interval:
@@ -288,11 +288,19 @@ def _evaluate(args, run, writers, iteration: int, prefix: str, source, history=N
 
 
 def _save(args, run, iteration: int, interval: _Interval) -> None:
-    from ..checkpoint.local import save_checkpoint
+    from ..checkpoint import save_checkpoint
 
     paused = time.perf_counter()
-    save_checkpoint(args.save, iteration, run.chunks, run.optimizer, run.scheduler, args)
+    consumed = (run.consumed_train, run.consumed_valid)
+    save_checkpoint(args, iteration, run.chunks, run.optimizer, run.scheduler, consumed, run.groups)
     interval.paused += time.perf_counter() - paused
+
+
+def _finish_async_save(args, blocking: bool) -> None:
+    if args.save and args.async_save:
+        from ..checkpoint import finalize_async_save
+
+        finalize_async_save(blocking=blocking)
 
 
 def _train(args, run, start_iteration: int, writers, start_time: float) -> dict:
@@ -324,6 +332,7 @@ def _train(args, run, start_iteration: int, writers, start_time: float) -> dict:
             _evaluate(args, run, writers, iteration, f"iteration {iteration}", run.valid, history)
             interval.paused += time.perf_counter() - paused
         control.manual_gc_step(args, iteration)
+        _finish_async_save(args, blocking=False)
         saved = args.save and iteration % args.save_interval == 0
         if saved:
             _save(args, run, iteration, interval)
@@ -336,6 +345,7 @@ def _train(args, run, start_iteration: int, writers, start_time: float) -> dict:
     profiler.stop()
     if args.save and iteration > start_iteration and iteration % args.save_interval:
         _save(args, run, iteration, interval)
+    _finish_async_save(args, blocking=True)
     history["iteration"] = iteration
     return history
 
@@ -352,13 +362,27 @@ def _write_history(args, history) -> None:
         logging.print_rank0(f"> loss curve written to {path}")
 
 
+def _checkpoint_args(args) -> None:
+    """--use-checkpoint-args: the model's arguments come from the checkpoint in --load."""
+    if not (args.use_checkpoint_args and args.load):
+        return
+    from ..checkpoint import read_checkpoint_args
+    from ..checkpoint.resume import apply_checkpoint_args
+
+    saved = read_checkpoint_args(args.load, args.ckpt_step)
+    if saved is None:
+        if args.exit_on_missing_checkpoint:
+            raise SystemExit(f"--load {args.load}: no checkpoint found and --exit-on-missing-checkpoint is set")
+        return
+    changed = apply_checkpoint_args(args, saved)
+    args.notices.append("--use-checkpoint-args: " + (", ".join(changed) if changed else "no model argument changed"))
+
+
 def pretrain(args) -> dict:
     """Run the whole job; returns the loss history (rank 0 also writes it to --output-dir)."""
+    _checkpoint_args(args)
     run, (train_ds, valid_ds, test_ds), start_time = _set_up(args)
     start_iteration = _maybe_load(args, run)
-    run.consumed_train = (
-        start_iteration * args.global_batch_size if args.rampup_batch_size is None else run.consumed_train
-    )
     run.train = run.iterators(args, train_ds, run.consumed_train)
     run.valid, run.test = run.iterators(args, valid_ds, run.consumed_valid), run.iterators(args, test_ds, 0)
     writers = logging.Writers(args)
