@@ -87,6 +87,7 @@ class _Pending:
         self.request, self.save_dir, self.iteration, self.tmp = request, save_dir, iteration, tmp
         self.error: BaseException | None = None
         self.started = time.perf_counter()
+        self.returned_at: float | None = None  # when training resumed
         self.written_at: float | None = None
         self.thread = threading.Thread(target=self._write, daemon=True)
         self.thread.start()
@@ -100,7 +101,6 @@ class _Pending:
 
 
 _PENDING: list[_Pending] = []
-ASYNC_LOG: list[dict] = []  # what each finished async save did (times), for logs and tests
 
 
 def _begin(save_dir: str, iteration: int) -> str:
@@ -147,7 +147,7 @@ def save_checkpoint(args, iteration: int, chunks, optimizer, scheduler, consumed
         if getattr(args, "async_save", False):
             request = torch_dist.async_save_request(_snapshot(state), tmp)
             _PENDING.append(_Pending(request, args.save, iteration, tmp))
-            _print0(f"> started an asynchronous save of iteration {iteration} to {args.save}")
+            _PENDING[-1].returned_at = time.perf_counter()
             return files.iteration_dir(args.save, iteration)
         torch_dist.save_state_dict(state, tmp)
         dist.barrier()
@@ -183,17 +183,10 @@ def finalize_async_save(blocking: bool = False) -> bool:
             fn()
     dist.barrier()
     _publish(pending.save_dir, pending.iteration, pending.tmp, "torch_dist")
-    ASYNC_LOG.append(
-        {
-            "iteration": pending.iteration,
-            "started": pending.started,
-            "written": pending.written_at,
-            "finalized": time.perf_counter(),
-        }
-    )
+    resumed, written = pending.returned_at - pending.started, pending.written_at - pending.started
     _print0(
         f"  successfully saved checkpoint from iteration {pending.iteration:7d} to {pending.save_dir} "
-        f"(asynchronously, written in {pending.written_at - pending.started:.2f} s)"
+        f"(asynchronously: training resumed after {resumed:.4f} s, the write finished after {written:.4f} s)"
     )
     return True
 
