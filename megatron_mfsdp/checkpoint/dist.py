@@ -49,21 +49,35 @@ def model_key(index: int, count: int) -> str:
 
 
 def sharded_model(chunks, megatron_ddp: bool) -> dict:
+    """Each chunk's megatron-core keys: ours through MatrixFSDP, megatron-core DDP's from the model it
+    wraps (as Megatron-LM's checkpoints, which carry no ``module.`` prefix)."""
+    from megatron.core.dist_checkpointing import ShardedObject
+
     out = {}
     for i, chunk in enumerate(chunks):
-        if megatron_ddp:
-            with cuda_on_cpu():
-                out[model_key(i, len(chunks))] = chunk.sharded_state_dict()
-        else:
-            out[model_key(i, len(chunks))] = chunk.sharded_state_dict()
+        with cuda_on_cpu():
+            sharded = (chunk.module if megatron_ddp else chunk).sharded_state_dict()
+        # Tensors only: the layers' _extra_state objects (None without Transformer Engine) would be pickled.
+        out[model_key(i, len(chunks))] = {k: v for k, v in sharded.items() if not isinstance(v, ShardedObject)}
     return out
+
+
+def _allocate_megatron_state(optimizer) -> None:
+    """megatron-core's DistributedOptimizer reads its step count from the torch optimizer's state, which
+    a fresh job has not made yet (Megatron-LM's GPU runs use Apex/TE's); one step of zero gradients
+    makes it, and the load then overwrites masters, moments and step."""
+    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if not inner.optimizer.state:
+            inner._init_optimizer_states_with_dummy_values()
 
 
 def sharded_optimizer(optimizer, model_sd: dict, megatron_ddp: bool, is_loading: bool):
     """Ours: masters and moments by owner range. megatron-core's: its own DistributedOptimizer in
-    'fully_sharded_model_space' (the layout ours mirrors), so the tensor keys agree."""
+    'fully_reshardable' (Megatron-LM's --dist-ckpt-optim-fully-reshardable), whose keys ours use."""
     if megatron_ddp:
-        metadata = {"distrib_optim_sharding_type": "fully_sharded_model_space"}
+        metadata = {"distrib_optim_sharding_type": "fully_reshardable"}
+        if is_loading:
+            _allocate_megatron_state(optimizer)
         with cuda_on_cpu():
             return optimizer.sharded_state_dict(model_sd, is_loading=is_loading, metadata=metadata)
     return {"state": optimizer.sharded_state_dict(), "common": optimizer.common_state_dict()}

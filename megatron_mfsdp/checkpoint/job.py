@@ -245,13 +245,20 @@ def _load_dist(args, folder: str, chunks, optimizer, scheduler, groups) -> dict:
     return common
 
 
+def _from_megatron(saved: dict) -> dict:
+    """Our optimizer's common state from a megatron-core DistributedOptimizer's (its step count lives in
+    the torch optimizer's lr groups); the lr groups themselves come from the scheduler."""
+    groups = saved["optimizer"]["param_groups"]
+    return {"step": int(groups[0]["step"]), "param_groups": [], "grad_scaler": None}
+
+
 def _apply(request, loaded, chunks, optimizer, megatron_ddp: bool, load_optim: bool) -> None:
     from ..compat.cpu import cuda_on_cpu
 
     for i, chunk in enumerate(chunks):
         key = torch_dist.model_key(i, len(chunks))
         if megatron_ddp:
-            chunk.load_state_dict(loaded[key], strict=False)
+            chunk.module.load_state_dict(loaded[key], strict=False)
         else:
             torch_dist.copy_loaded(request[key], loaded[key])
     if load_optim and megatron_ddp:
@@ -259,7 +266,7 @@ def _apply(request, loaded, chunks, optimizer, megatron_ddp: bool, load_optim: b
             optimizer.load_state_dict(loaded["optimizer"])
     elif load_optim:
         optimizer.load_sharded_state_dict(loaded["optimizer"]["state"])
-        optimizer.load_common_state_dict(loaded["optimizer"]["common"])
+        optimizer.load_common_state_dict(loaded["optimizer"].get("common") or _from_megatron(loaded["optimizer"]))
     elif optimizer is not None:
         optimizer.reload_model_params()
 

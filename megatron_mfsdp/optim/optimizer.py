@@ -385,8 +385,8 @@ class MatrixFSDPOptimizer(MegatronOptimizer):
                 self.grad_scaler.load_state_dict(state_dict["grad_scaler"])
 
     def _state_tensors(self, owned: OwnedPiece):
-        """(megatron's state name, tensor): the master is DistributedOptimizer's ``fp32_param``."""
-        return [("fp32_param", owned.master)] + sorted(owned.state.items())
+        """(megatron's state name, tensor): the master is DistributedOptimizer's ``param``."""
+        return [("param", owned.master)] + sorted(owned.state.items())
 
     def _sharded_groups(self) -> dict[tuple[int, str], dict[str, torch.Tensor]]:
         """(chunk index, state name) -> {local parameter name: that state's tensor of the owned piece}."""
@@ -401,12 +401,12 @@ class MatrixFSDPOptimizer(MegatronOptimizer):
         return groups
 
     def sharded_state_dict(self, model_sharded_state_dict=None, is_loading: bool = False, metadata=None):
-        """Masters and moments as megatron-core ShardedTensors in DistributedOptimizer's
-        'fully_sharded_model_space' layout (megatron/core/optimizer/distrib_optimizer.py at
-        core_v0.16.1: ``sharded_param_state_fs_model_space``): key ``optimizer.state.<name>.<model
-        key>``, the model tensor's TP offsets, and this rank's owned element range of it. So any TP,
-        PP, DP or replica layout reads what another saved. Step counts and lr groups travel in
-        :meth:`common_state_dict`."""
+        """Masters and moments as megatron-core ShardedTensors under DistributedOptimizer's keys in
+        its reshardable layout (megatron/core/optimizer/distrib_optimizer.py at core_v0.16.1:
+        ``sharded_param_state_fully_reshardable``): ``optimizer.state.<param|exp_avg|exp_avg_sq|
+        momentum_buffer>.<model key>`` with the model tensor's TP offsets, each rank saving the
+        element range it owns (no gather). So any TP, PP, DP or replica layout reads what another
+        saved. Step counts and lr groups travel in :meth:`common_state_dict`."""
         from megatron.core.dist_checkpointing import ShardedTensor
 
         sharded = {}
