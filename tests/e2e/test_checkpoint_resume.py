@@ -158,6 +158,19 @@ def test_async_save_lets_training_continue_and_loads_bitwise(tmp_path):
     assert train_losses(resumed) == train_losses(run)[2:]
 
 
+def _kill_9_all(pid: int) -> list[int]:
+    """SIGKILL torchrun and every rank it started (they run in sessions of their own)."""
+    import psutil
+
+    procs = psutil.Process(pid).children(recursive=True) + [psutil.Process(pid)]
+    for proc in procs:
+        try:
+            proc.send_signal(signal.SIGKILL)
+        except psutil.NoSuchProcess:
+            pass
+    return [p.pid for p in procs]
+
+
 def test_kill_9_mid_save_leaves_the_previous_checkpoint(tmp_path):
     """torchrun with 2 ranks, killed with SIGKILL (the whole process group) while iteration 4's save
     is being written: iteration 2 still loads, the partial folder is never picked, and the next save
@@ -172,25 +185,28 @@ def test_kill_9_mid_save_leaves_the_previous_checkpoint(tmp_path):
         cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
     )
     partial = save / "iter_0000004.tmp"
-    seen = []
+    seen, killed = [], []
     deadline = time.time() + 240
     try:
         while time.time() < deadline and proc.poll() is None:
             if partial.is_dir() and any(partial.iterdir()):
+                killed = _kill_9_all(proc.pid)
                 seen = sorted(p.name for p in partial.iterdir())
-                os.killpg(proc.pid, signal.SIGKILL)
                 break
             time.sleep(0.001)
     finally:
         if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+            _kill_9_all(proc.pid)
         proc.wait()
-    print(f"\nkilled with SIGKILL mid-save; the partial folder then held: {seen}")
-    assert seen and proc.returncode == -signal.SIGKILL, "the save finished before the kill; nothing was tested"
+    time.sleep(1)  # nothing may write after the kill: the checks below would see it
+    print(f"\nSIGKILL to {len(killed)} processes (torchrun and its ranks) mid-save; the partial folder held: {seen}")
+    assert seen and len(killed) >= 3, "the save finished before the kill; nothing was tested"
+    assert proc.returncode == -signal.SIGKILL
     assert "manifest.json" not in seen
     assert (save / "latest_checkpointed_iteration.txt").read_text() == "2"
     assert not (save / "iter_0000004").exists()
     resume = [*TINY, *big, "--eval-iters", "0", "--train-iters", "4", "--use-matrix-fsdp", "--load", str(save)]
+    resume.append("--override-opt_param-scheduler")  # a shorter run than the killed one, to save time
     run = pretrain_in_workers(1, *resume, "--save", str(save), "--save-interval", "2", tmp_path=tmp_path, rank=0)
     assert "successfully loaded checkpoint" in run["stdout"] and "at iteration 2" in run["stdout"]
     assert f"removed {partial}" in run["stdout"]
