@@ -442,11 +442,16 @@ class MatrixFSDP(torch.nn.Module):
 
         if getattr(self, "_shard_metadata", None) is None:
             names = {id(p): name for name, p in self.module.named_parameters()}
+            shapes = {slot.name: slot.shape for state in self.units for slot, _ in state.params}
+
+            def stand_in(p, shape):
+                return torch.empty((), dtype=p.dtype, device=p.device).expand(shape)
+
             kept = {}
             for state in self.units:
                 for slot, p in state.params:
                     kept[id(p)] = p.data
-                    p.data = torch.empty((), dtype=p.dtype, device=p.device).expand(slot.shape)
+                    p.data = stand_in(p, slot.shape)
             try:
                 sharded = self.module.sharded_state_dict(prefix="", metadata=metadata)
             finally:
@@ -455,16 +460,14 @@ class MatrixFSDP(torch.nn.Module):
                         p.data = kept[id(p)]
             out = {}
             for sh in sharded.values():
-                if id(getattr(sh, "data", None)) not in names:
+                name = names.get(id(getattr(sh, "data", None)))
+                if name is None:
                     continue  # _extra_state objects: not tensors, not saved
-                parts = (
-                    sh.build_fn(sh.key, sh.data, sh.replica_id, None) if isinstance(sh, ShardedTensorFactory) else [sh]
-                )
-                starts, start = [], 0
-                for part in parts:
-                    starts.append(start)
-                    start += math.prod(part.local_shape)
-                out[names[id(sh.data)]] = list(zip(parts, starts))
+                parts = [sh]
+                if isinstance(sh, ShardedTensorFactory):
+                    parts = sh.build_fn(sh.key, stand_in(sh.data, shapes[name]), sh.replica_id, None)
+                starts = [sum(math.prod(part.local_shape) for part in parts[:i]) for i in range(len(parts))]
+                out[name] = list(zip(parts, starts))
             self._shard_metadata = out
         return self._shard_metadata
 
@@ -505,6 +508,10 @@ class MatrixFSDP(torch.nn.Module):
                             replica_id=(*sh.replica_id[:2], replica),
                         )
                     )
+            if piece.numel and sum(sh.data.numel() for sh in shards) != piece.numel:
+                raise RuntimeError(
+                    f"checkpoint shards of {name} cover {sum(s.data.numel() for s in shards)} of {piece.numel} elements"
+                )
             out[name] = shards
         return out
 

@@ -47,6 +47,19 @@ def test_saved_at_tp2_pp2_dp2_resumes_at_other_layouts(tmp_path):
         assert len(got) == 4 and max(deltas) <= TOLERANCE, (name, got, reference[4:])
 
 
+def test_swiglu_saved_at_tp2_resumes_at_1x1x1(tmp_path):
+    """SwiGLU's fc1 is [gate; up], each half split over TP (megatron-core's swiglu factory): saved at
+    TP2 x DP2, resumed at 1x1x1, iterations 3-4 match the uninterrupted run."""
+    flags = [*TINY, "--eval-iters", "0", "--train-iters", "4", "--use-matrix-fsdp", "--swiglu"]
+    save = tmp_path / "ckpt"
+    reference = train_losses(
+        pretrain_in_workers(4, *flags, *TP2, "--save", str(save), "--save-interval", "2", tmp_path=tmp_path)
+    )
+    (save / "latest_checkpointed_iteration.txt").write_text("2")
+    got = train_losses(pretrain_in_workers(1, *flags, "--load", str(save), tmp_path=tmp_path))
+    assert len(got) == 2 and max(abs(a - b) for a, b in zip(got, reference[2:])) <= TOLERANCE, (got, reference)
+
+
 def test_dp_owner_layout_change_resumes_bitwise(tmp_path):
     """Saved at DP2 with owners sharded over 2 ranks, resumed at DP2 with every rank owning everything
     (--mfsdp-replicate-size 2), and by the same layout: the losses are bitwise the uninterrupted run's
