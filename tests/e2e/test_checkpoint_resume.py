@@ -255,3 +255,16 @@ def test_megatron_distributed_optimizer_checkpoint_has_our_keys_and_resumes_matr
     (megatron / "latest_checkpointed_iteration.txt").write_text("2")
     got = train_losses(pretrain_in_workers(2, *flags, "--use-matrix-fsdp", "--load", str(megatron), tmp_path=tmp_path))
     assert len(got) == 2 and max(abs(a - b) for a, b in zip(got, reference[2:])) <= 1e-6, (got, reference)
+
+
+def test_ckpt_step_finetune_and_checkpoint_args(tmp_path):
+    """--ckpt-step picks an older iteration than the tracker's; --use-checkpoint-args takes the model
+    shape from it (this command line says --hidden-size 128); --finetune restarts at iteration 1."""
+    save = tmp_path / "ckpt"
+    _short_run(tmp_path, save, iters=4)
+    flags = [*TINY, "--eval-iters", "0", "--train-iters", "2", "--use-matrix-fsdp", "--load", str(save)]
+    flags += ["--ckpt-step", "2", "--use-checkpoint-args", "--finetune", "--hidden-size", "128"]
+    run = pretrain_in_workers(1, *flags, tmp_path=tmp_path, rank=0)
+    assert "--use-checkpoint-args: --hidden-size 64" in run["stdout"]
+    assert "successfully loaded checkpoint" in run["stdout"] and "at iteration 2" in run["stdout"]
+    assert [it for it, _ in run["history"]["train"]] == [1, 2]
