@@ -108,7 +108,10 @@ def load_common(folder: str) -> dict:
     path = os.path.join(folder, "common.pt")
     if not os.path.isfile(path):
         raise ValueError(f"checkpoint file {path} is missing")
-    return torch.load(path, map_location="cpu", weights_only=True)
+    common = torch.load(path, map_location="cpu", weights_only=True)
+    if not isinstance(common.get("args", {}), dict):  # Megatron-LM stores an argparse.Namespace
+        common["args"] = vars(common["args"])
+    return common
 
 
 def load_state_dict(request: dict, folder: str, strict: str) -> dict:

@@ -115,11 +115,17 @@ def write_manifest(folder: str, extra: dict | None = None) -> dict:
     return manifest
 
 
-def verify_manifest(folder: str) -> dict:
+def verify_manifest(folder: str, foreign_ok: bool = False) -> dict:
     """Check every file against ``manifest.json``; raise naming the first file that is missing,
-    truncated, altered or unexpected. Returns the manifest."""
+    truncated, altered or unexpected. Returns the manifest. With ``foreign_ok`` a torch_dist folder
+    without one (written by Megatron-LM or another tool) is accepted unverified, with a notice."""
     path = os.path.join(folder, MANIFEST)
     if not os.path.isfile(path):
+        if foreign_ok and os.path.isfile(os.path.join(folder, "metadata.json")):
+            print(
+                f"> WARNING: {folder} has no {MANIFEST} (not written by megatron-mfsdp): its files cannot be verified"
+            )
+            return {"format": "torch_dist", "files": {}}
         raise ValueError(f"checkpoint {folder}: {MANIFEST} is missing (not a complete megatron-mfsdp save)")
     with open(path) as f:
         manifest = json.load(f)

@@ -54,7 +54,7 @@ def read_global_state(load_dir: str, iteration: int | None = None) -> tuple[dict
     if iteration is None:
         raise FileNotFoundError(f"no checkpoint found in {load_dir} ({files.TRACKER} is missing)")
     folder = files.iteration_dir(load_dir, iteration)
-    manifest = files.verify_manifest(folder)
+    manifest = files.verify_manifest(folder, foreign_ok=True)
     if manifest.get("format") != "torch_dist":
         raise ValueError(f"{folder}: read_global_state reads --ckpt-format torch_dist checkpoints")
     args = torch_dist.load_common(folder)["args"]

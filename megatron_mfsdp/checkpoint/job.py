@@ -198,7 +198,7 @@ def _verified_folder(load_dir: str, iteration: int) -> dict:
         try:
             if not os.path.isdir(folder):
                 raise ValueError(f"--load {load_dir}: checkpoint folder {folder} does not exist")
-            manifest = files.verify_manifest(folder)
+            manifest = files.verify_manifest(folder, foreign_ok=True)
         except ValueError as err:
             error = str(err)
     torch_dist.broadcast_error(error)
@@ -213,9 +213,10 @@ def _what_to_load(args, common: dict, groups) -> tuple[bool, bool]:
     layout cannot be placed and are skipped with a notice, as Megatron-LM does."""
     load_optim = not (args.finetune or args.no_load_optim) and "opt_param_scheduler" in common
     load_rng = not (args.finetune or args.no_load_rng)
-    if load_rng and common["mfsdp"]["layout"] != torch_dist.layout_sizes(groups):
+    saved_layout = common.get("mfsdp", {}).get("layout")  # Megatron-LM's own RNG states are objects: not read
+    if load_rng and saved_layout != torch_dist.layout_sizes(groups):
         _print0(
-            f"> not loading the generator states: saved at PP x TP x DP = {common['mfsdp']['layout']}, "
+            f"> not loading the generator states: saved at PP x TP x DP = {saved_layout}, "
             f"this run is {torch_dist.layout_sizes(groups)}"
         )
         load_rng = False
@@ -305,7 +306,7 @@ def read_checkpoint_args(load_dir: str, ckpt_step: int | None = None) -> dict | 
     if iteration is None:
         return None
     folder = files.iteration_dir(load_dir, iteration)
-    manifest = files.verify_manifest(folder)
+    manifest = files.verify_manifest(folder, foreign_ok=True)
     if manifest.get("format") == "torch":
         return local.read_args(folder)
     return torch_dist.load_common(folder)["args"]
