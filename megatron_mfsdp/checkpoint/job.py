@@ -227,6 +227,10 @@ def _load_dist(args, folder: str, chunks, optimizer, scheduler, groups) -> dict:
     common = torch_dist.load_common(folder)
     resume.check_same_model(args, common["args"], os.path.join(folder, "common.pt"))
     load_optim, load_rng = _what_to_load(args, common, groups)
+    if not load_optim and any(getattr(u, "codec", None) is not None for c in chunks for u in getattr(c, "units", [])):
+        raise ValueError(
+            f"--load {folder}: FP8 parameters take their weights from the fp32 masters; load the optimizer"
+        )
     if load_optim and scheduler is not None:
         resume.check_schedule(args, scheduler, common["opt_param_scheduler"], common["args"], folder)
     megatron_ddp = _is_megatron_ddp(chunks)

@@ -517,9 +517,12 @@ class MatrixFSDP(torch.nn.Module):
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None) -> dict[str, list]:
         """The weights this rank holds, as megatron-core dist_checkpointing ShardedTensors under
-        megatron-core's GPTModel keys (see :meth:`piece_shards`)."""
+        megatron-core's GPTModel keys (see :meth:`piece_shards`). Units with FP8 matrices hold bytes:
+        their weights travel as the optimizer's fp32 masters only."""
         segments = {}
         for state in self.units:
+            if state.codec is not None:
+                continue
             for piece in state.pieces:
                 segments[piece.slot.name] = state.param_segment[
                     piece.segment_offset : piece.segment_offset + piece.numel
