@@ -441,15 +441,6 @@ def test_generate_on_two_data_parallel_ranks_prints_what_one_process_does(conver
 VALID_LINE = r"validation loss at iteration 4 on validation set \| lm loss value: ([\d.E+-]+) \|"
 
 
-def pretrain_saves_torch_dist() -> bool:
-    """Whether pretrain_gpt.py's --save honours --ckpt-format (the training checkpoint work of issue 9
-    item 1); the converter reads only torch_dist folders."""
-    import pathlib
-
-    training = pathlib.Path(ROOT, "megatron_mfsdp", "training")
-    return any("ckpt_format" in p.read_text() for p in training.glob("*.py"))
-
-
 @torch.no_grad()
 def test_trained_checkpoint_converts_and_transformers_loss_equals_our_validation_loss(tmp_path):
     """Train 4 iterations (a tiny Llama on mock data), save --ckpt-format torch_dist, convert to HF
@@ -459,10 +450,6 @@ def test_trained_checkpoint_converts_and_transformers_loss_equals_our_validation
     conversion drops the padding rows from the softmax, so its loss is lower (printed)."""
     import re
 
-    if not pretrain_saves_torch_dist():
-        pytest.skip(
-            "pretrain_gpt.py --save does not write --ckpt-format torch_dist on this branch yet (issue 9 item 1)"
-        )
     from megatron_mfsdp.training.arguments import parse_args
     from megatron_mfsdp.training.loop import prepare_data
     from tests.launch import TINY, pretrain_in_workers
