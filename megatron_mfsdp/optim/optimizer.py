@@ -24,7 +24,7 @@ from ..groups import group_rank, group_size
 from ..placement.rules import WHOLE
 from ..precision import new_fp8_state, quantization_error
 from . import registry
-from .rule import OwnedPiece, StepContext, UpdateRule
+from .rule import GroupMatrix, OwnedPiece, StepContext, UpdateRule
 
 
 class _ShardOptimizerState:
@@ -79,6 +79,7 @@ class MatrixFSDPOptimizer(MegatronOptimizer):
         param_groups = self._param_groups(config)
         for chunk in model_chunks:
             self._add_pieces(config, chunk, param_groups)
+        self._matrices = self._group_matrices(config, param_groups)
         holder = _ShardOptimizerState(list(param_groups.values()))
         for group in holder.param_groups:
             for owned in group["params"]:
@@ -129,6 +130,18 @@ class MatrixFSDPOptimizer(MegatronOptimizer):
                 "default_config": not decoupled,
             }
         return groups
+
+    def _group_matrices(self, config, param_groups) -> list[list[GroupMatrix]]:
+        """Per lr group (in order), every rank's parameters of it with their per-rank bounds: what a
+        rule that rebuilds whole matrices over the DP shard group needs (StepContext.matrices)."""
+        members: dict[tuple, list[GroupMatrix]] = {key: [] for key in param_groups}
+        for chunk in self.model_chunks:
+            for unit in chunk.units:
+                for slot, param in unit.params:
+                    bounds = tuple(unit.layout.param_bounds(slot))
+                    matrix = GroupMatrix(chunk.global_names[slot.name], tuple(slot.shape), slot.split_rows, bounds)
+                    members[self._group_key(config, slot, param)].append(matrix)
+        return list(members.values())
 
     def _add_pieces(self, config, chunk, param_groups) -> None:
         tp_rank = group_rank(self.tp_group)
@@ -303,10 +316,14 @@ class MatrixFSDPOptimizer(MegatronOptimizer):
     def step_with_ready_grads(self) -> bool:
         self.step_count += 1
         before = [u.master.clone() for u in self._fp8_units] if self.fp8_track_error else None
-        for group in self.optimizer.param_groups:
-            if group["params"]:
-                ctx = StepContext(self.config, self.step_count, group["lr"], group["weight_decay"], self.tp_group)
-                registry.get(group["optimizer"]).step(group["params"], ctx)
+        dp_group = self.model_chunks[0].groups.dp_shard
+        for group, matrices in zip(self.optimizer.param_groups, self._matrices):
+            rule = registry.get(group["optimizer"])
+            if group["params"] or rule.collective:
+                ctx = StepContext(
+                    self.config, self.step_count, group["lr"], group["weight_decay"], self.tp_group, dp_group, matrices
+                )
+                rule.step(group["params"], ctx)
         self._sync_model_from_masters(after_step=True, before=before)
         return True
 

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ..placement.rules import SLICE, RuleKind, RuleSet
-from . import adamw, muon, muon_tp, sgd
+from ..placement.rules import LAYOUTS, SLICE, WHOLE, RuleKind, RuleSet
+from . import adamw, muon, muon_even, muon_tp, sgd
 from .rule import UpdateRule
 
-_ENTRIES: tuple[UpdateRule, ...] = (muon.RULE, muon_tp.RULE, adamw.RULE, sgd.RULE)
+_ENTRIES: tuple[UpdateRule, ...] = (muon.RULE, muon_tp.RULE, adamw.RULE, sgd.RULE, muon_even.RULE)
 RULES: dict[str, UpdateRule] = {rule.name: rule for rule in _ENTRIES}
 
 
@@ -60,6 +60,22 @@ def resolve(slot_rule: str, optimizer: str) -> UpdateRule:
     return main if main.storage == SLICE else get(slot_rule)
 
 
-def rule_set(rules: Sequence[tuple[str, str]]) -> RuleSet:
-    """Placement's view of a rule list: each named rule's storage and cost."""
+def even_variant(name: str) -> str:
+    """The rule that stands for ``name`` under --mfsdp-layout even: SLICE rules stay, a WHOLE rule
+    is replaced by the rule that declares ``even_layout_of=name``."""
+    if get(name).storage != WHOLE:
+        return name
+    for rule in _ENTRIES:
+        if rule.even_layout_of == name:
+            return rule.name
+    raise ValueError(f"update rule {name!r} has no even-shard variant; --mfsdp-layout even cannot place it")
+
+
+def rule_set(rules: Sequence[tuple[str, str]], layout: str = "owner") -> RuleSet:
+    """Placement's view of a rule list: each named rule's storage and cost. With layout 'even'
+    every WHOLE rule is replaced by its even variant, so every parameter is an even SLICE."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown layout {layout!r} (--mfsdp-layout); choose one of {', '.join(LAYOUTS)}")
+    if layout == "even":
+        rules = [(pattern, even_variant(name) if name in RULES else name) for pattern, name in rules]
     return RuleSet(tuple(rules), {name: RuleKind(rule.storage, rule.cost) for name, rule in RULES.items()})

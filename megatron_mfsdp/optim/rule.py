@@ -45,6 +45,19 @@ class StepContext:
     lr: float
     weight_decay: float
     tp_group: object | None = None
+    dp_group: object | None = None  # the DP shard group (rules that rebuild whole matrices over it)
+    matrices: Sequence[GroupMatrix] = ()  # every parameter of this lr group, on all ranks, in step order
+
+
+@dataclass(frozen=True)
+class GroupMatrix:
+    """One parameter of an lr group as the whole DP shard group holds it, so that a rule can
+    rebuild it from its slices: shard rank r holds elements [bounds[r], bounds[r + 1]) of it."""
+
+    global_name: str
+    shape: tuple[int, ...]
+    split_rows: tuple[int, ...] | None
+    bounds: tuple[int, ...]  # W+1 offsets into the flattened parameter
 
 
 def zero_cost(shape, split_rows) -> int:
@@ -63,3 +76,5 @@ class UpdateRule:
     optimizer: str | None = None  # the --optimizer value that sends the model's matrices here
     tp_variant: str | None = None  # the rule used instead on tensor-parallel shards (TP > 1)
     check: Callable[[OwnedPiece, object], None] | None = None  # validate a piece at set-up
+    even_layout_of: str | None = None  # with --mfsdp-layout even, parameters placed under that WHOLE rule get this one
+    collective: bool = False  # the step joins DP collectives: it runs on every rank, pieces or not

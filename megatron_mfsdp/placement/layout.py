@@ -98,6 +98,15 @@ class UnitLayout:
         (a, b), (c, d) = self.matrix_range(rank), self.tail_range(rank)
         return (b - a) + (d - c)
 
+    def param_bounds(self, slot: ParamSlot) -> list[int]:
+        """W+1 offsets into the flattened parameter: rank r's segment holds [b[r], b[r + 1]) of it
+        (the whole of it on its owner for WHOLE storage, an even slice's overlap for the tail)."""
+        bounds = [0]
+        for r in range(self.world_size):
+            _, hi = self.matrix_range(r) if slot.storage == WHOLE else self.tail_range(r)
+            bounds.append(max(0, min(slot.numel, hi - slot.offset)))
+        return bounds
+
     def local_pieces(self, rank: int) -> list[LocalPiece]:
         """Which parameter elements rank's segment holds, in segment order."""
         m0, m1 = self.matrix_range(rank)

@@ -20,6 +20,10 @@ WHOLE = "whole"
 SLICE = "slice"
 """Storage of an elementwise rule (AdamW): any even slice of the flat buffer will do."""
 
+LAYOUTS = ("owner", "even")
+"""--mfsdp-layout: 'owner' stores WHOLE rules' matrices whole on one owner; 'even' stores every
+parameter as an even slice (ordinary ZeRO-3), each WHOLE rule replaced by its even variant."""
+
 Rule = tuple[str, str]  # (fnmatch pattern on the parameter name, update-rule name)
 CostFn = Callable[[tuple[int, ...], Sequence[int] | None], int]
 

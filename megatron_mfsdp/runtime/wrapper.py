@@ -65,7 +65,9 @@ class _UnitState:
 def unit_specs(units: list[ModelUnit], ddp_config: MatrixFSDPConfig, adapter: ModelAdapter, config) -> list[UnitSpec]:
     """Classify and cost the parameters of model units for the planner: user rules first,
     then the model's own, each rule's storage and cost from the optimizer's registry."""
-    rules = registry.rule_set(list(ddp_config.param_rules) + adapter.param_rules(registry.PLACEMENT_MATRIX_RULE))
+    rules = registry.rule_set(
+        list(ddp_config.param_rules) + adapter.param_rules(registry.PLACEMENT_MATRIX_RULE), ddp_config.layout
+    )
     specs = []
     for unit in units:
         params = []
