@@ -16,6 +16,7 @@ from megatron.core.optimizer import OptimizerConfig
 from .optim.muon import NS_COEFFICIENTS, NS_DTYPES, SCALE_MODES
 from .optim.muon_tp import TP_MODES
 from .placement.planner import POLICIES
+from .placement.rules import LAYOUTS
 from .precision.fp8 import Fp8Config
 
 
@@ -36,6 +37,10 @@ class MatrixFSDPConfig:
     planner: str = field(default="auto", metadata={"choices": POLICIES})
     """Owner planner policy: 'greedy' (per unit, largest first, load carried across units),
     'global' (largest first over the whole model) or 'auto' (the better of the two)."""
+
+    layout: str = field(default="owner", metadata={"choices": LAYOUTS})
+    """'owner': each Muon matrix whole on one DP owner (communication-free step); 'even': ordinary
+    ZeRO-3 even flat shards with reconstruction Muon (gathers each matrix per step: the baseline)."""
 
     muon_split_qkv: bool = True
     """Plan and update QKV matrices as separate Q, K, V blocks; must equal the optimizer config's."""
@@ -82,6 +87,7 @@ class MatrixFSDPConfig:
             raise ValueError(f"prefetch depth {self.prefetch_depth} (--mfsdp-prefetch-depth) must be 0 or more")
         if self.max_reduces_in_flight < 1:
             raise ValueError(f"max_reduces_in_flight must be at least 1, got {self.max_reduces_in_flight}")
+        _check_choice(self.layout, LAYOUTS, "--mfsdp-layout", "layout")
         for rule in self.param_rules:
             if len(rule) != 2 or rule[1] not in registry.rule_names():
                 raise ValueError(

@@ -36,6 +36,7 @@ def runtime_config(args) -> MatrixFSDPConfig:
     return MatrixFSDPConfig(
         param_rules=args.param_rules,
         planner=args.mfsdp_planner,
+        layout=args.mfsdp_layout,
         muon_split_qkv=args.muon_split_qkv,
         verify_collectives=args.mfsdp_verify_collectives,
         grad_reduce_in_fp32=args.accumulate_allreduce_grads_in_fp32 or not low_precision,

@@ -123,6 +123,14 @@ def add_mfsdp_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--mfsdp-planner", choices=config_choices(R, "planner"), default=config_default(R, "planner"))
     g.add_argument(
+        "--mfsdp-layout",
+        choices=config_choices(R, "layout"),
+        default=config_default(R, "layout"),
+        help="owner: each Muon matrix whole on one DP rank, the optimizer step moves no tensor data; "
+        "even: ordinary ZeRO-3 even flat shards with reconstruction Muon (each matrix gathered over DP "
+        "and orthogonalized on every rank each step), the baseline owner placement is measured against",
+    )
+    g.add_argument(
         "--mfsdp-replicate-size",
         type=positive_int,
         default=1,
