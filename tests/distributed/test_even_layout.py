@@ -1,0 +1,91 @@
+"""--mfsdp-layout even (ordinary ZeRO-3 even shards, reconstruction Muon) at DP=2: the same numbers
+as the owner layout and the single-process reference, and a step that gathers every matrix while the
+owner layout's moves no tensor."""
+
+import torch
+
+from megatron_mfsdp.testing import (
+    assemble_optimizer_state,
+    count_collectives,
+    init_megatron,
+    lm_loss,
+    micro_batch,
+    optimizer_config,
+    reference_train,
+    run_workers,
+    tiny_gpt,
+)
+
+STEPS = 3
+MICRO = 2
+
+
+def _train_worker(rank, world_size, layout, steps, num_micro):
+    from megatron_mfsdp import MatrixFSDP, MatrixFSDPConfig, get_megatron_optimizer
+
+    init_megatron()
+    config, model = tiny_gpt()
+    ddp = MatrixFSDP(config, MatrixFSDPConfig(layout=layout), model)
+    opt = get_megatron_optimizer(optimizer_config(), [ddp])
+    step_calls = []
+    for step in range(1, steps + 1):
+        opt.zero_grad()
+        for k in range(num_micro):
+            lm_loss(ddp, micro_batch(step, k, rank), num_micro).backward()
+        ddp.finish_grad_sync()
+        with count_collectives() as calls:
+            success, _, _ = opt.step()
+        assert success
+        step_calls.append(list(calls))
+    return {
+        "full": ddp.full_state_dict(),
+        "opt": opt.state_dict(),
+        "step_calls": step_calls,
+        "rules": sorted({(p.slot.rule, p.slot.storage) for u in ddp.units for p in u.pieces}),
+        "segments": [u.layout.segment_numel(rank) for u in ddp.units],
+        "matrix_numel": [u.layout.matrix_numel for u in ddp.units],
+        "shapes": {s.name: s.shape for u in ddp.plan.units for s in u.slots},
+        "bytes": {**ddp.local_bytes(), **opt.local_bytes()},
+    }
+
+
+def _reference_worker(rank, world_size, dp_size, steps, num_micro):
+    init_megatron()
+    config, model = tiny_gpt()
+    return reference_train(model, config, optimizer_config(), dp_size, steps, num_micro)
+
+
+def _full_state(results):
+    return assemble_optimizer_state([r["opt"] for r in results], results[0]["shapes"])
+
+
+def test_dp2_even_layout_equals_owner_layout_and_reference():
+    even = run_workers(2, _train_worker, "even", STEPS, MICRO)
+    owner = run_workers(2, _train_worker, "owner", STEPS, MICRO)
+    reference = run_workers(1, _reference_worker, 2, STEPS, MICRO)[0]
+    # Bitwise: the gradient sums are the same rank-order sums, momentum is elementwise on the slice,
+    # and Newton-Schulz runs on the same full matrix with the same kernels (fp32, CPU).
+    for name, ref in reference["params"].items():
+        assert torch.equal(even[0]["full"][name], ref), f"{name}: even differs from the reference"
+        assert torch.equal(even[0]["full"][name], owner[0]["full"][name]), f"{name}: even differs from owner"
+    even_state, owner_state = _full_state(even), _full_state(owner)
+    for name, st in reference["state"].items():
+        for key, ref in st.items():
+            assert torch.equal(even_state[name][key], ref), f"{name}.{key}: even differs from the reference"
+            assert torch.equal(even_state[name][key], owner_state[name][key])
+
+    for rank in range(2):
+        # even: every parameter is an even slice (no matrix region), segments within one element
+        assert even[rank]["rules"] == [("adamw", "slice"), ("muon_even", "slice")]
+        assert all(n == 0 for n in even[rank]["matrix_numel"])
+        # owner: the step's only collective is the 2-scalar grad-stats all-reduce
+        assert all(calls == [("all_reduce", 2)] for calls in owner[rank]["step_calls"])
+        # even: that all-reduce plus one all_to_all_single per hidden matrix (2 layers x 4)
+        for calls in even[rank]["step_calls"]:
+            assert calls[0] == ("all_reduce", 2)
+            assert [c[0] for c in calls[1:]] == ["all_to_all_single"] * 8
+    for a, b in zip(even[0]["segments"], even[1]["segments"]):
+        assert abs(a - b) <= 1
+    # The same optimizer state in total: momentum and moments cover every element once.
+    states = [sum(r["bytes"]["optimizer_state"] for r in run) for run in (even, owner)]
+    assert states[0] == states[1]
