@@ -1,0 +1,188 @@
+"""End-to-end training iterations of ours against the paper's baseline and plain data parallelism,
+on the same model and data in one run, through pretrain_gpt.py's code path
+(``megatron_mfsdp.training.loop.pretrain`` on gloo workers, CPU).
+
+ours   --use-matrix-fsdp (--mfsdp-layout owner): each Muon matrix whole on one DP owner; the
+       optimizer step moves no tensor data (one all-reduce of 2 scalars).
+even   --use-matrix-fsdp --mfsdp-layout even: the same runtime with ordinary ZeRO-3 even flat
+       shards and reconstruction Muon (optim/muon_even.py: each matrix's direction gathered over
+       DP per step, Newton-Schulz on every rank): the paper's baseline.
+ddp    pretrain_gpt.py without --use-matrix-fsdp: plain data parallelism. With --optimizer muon
+       that is the replicated backend (full weights, gradients and momentum on every rank,
+       gradients all-reduced, Muon on every full matrix on every rank); megatron-core 0.16.1's
+       DDP itself has no Muon here.
+
+Per mode and W it prints the median iteration time (train_step: forward, backward, step; after a
+barrier; max over ranks per iteration), the median optimizer step time (max over ranks), the tensor
+bytes handed to collectives per iteration in forward+backward and in the step (inputs and outputs
+of each call as ``megatron_mfsdp.testing.count_collectives`` records them, rank 0), the step's
+tensor collectives (calls with more than 2 elements), and the persistent tensor bytes per rank
+(parameter and gradient segments, fp32 masters, optimizer state: counted, not RSS; max over ranks).
+Transient peaks (gathered units, activations, the gathered matrix in even's step) are not counted.
+
+    .venv/bin/python benchmarks/bench_end_to_end.py            # W = 2 and 4, 4 layers, hidden 512
+    .venv/bin/python benchmarks/bench_end_to_end.py --quick    # CI smoke: tiny model, W = 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+MODES = {"ours": ["--use-matrix-fsdp"], "even": ["--use-matrix-fsdp", "--mfsdp-layout", "even"], "ddp": []}
+
+
+def model_flags(a) -> list[str]:
+    shape = [
+        "--num-layers", str(a.num_layers), "--hidden-size", str(a.hidden_size),
+        "--ffn-hidden-size", str(4 * a.hidden_size), "--num-attention-heads", str(a.heads),
+        "--seq-length", str(a.seq_length), "--max-position-embeddings", str(a.seq_length),
+        "--vocab-size", str(a.vocab_size),
+    ]  # fmt: skip
+    return [
+        *shape,
+        *("--mock-data", "--tokenizer-type", "NullTokenizer", "--micro-batch-size", str(a.micro_batch_size)),
+        *("--train-iters", str(a.iters), "--lr", "1e-3", "--lr-warmup-iters", "0", "--eval-iters", "0"),
+        *("--eval-interval", str(10 * a.iters), "--hidden-dropout", "0", "--attention-dropout", "0"),
+        *("--optimizer", "muon", "--muon-momentum", "0.95", "--muon-use-nesterov"),
+        *("--muon-coefficient-type", "simple", "--muon-ns-dtype", a.ns_dtype, "--log-interval", str(a.iters)),
+        "--seed", "1234",
+    ]  # fmt: skip
+
+
+def _worker(rank, world, argv):
+    """One pretrain run; per iteration its seconds, step seconds and collectives on this rank."""
+    import contextlib
+    import io
+
+    import torch.distributed as dist
+
+    from megatron_mfsdp.testing import count_collectives
+    from megatron_mfsdp.training import steps
+    from megatron_mfsdp.training.arguments import parse_args
+    from megatron_mfsdp.training.loop import pretrain
+
+    rec = {"iter_s": [], "step_s": [], "calls": [], "step_calls": [], "bytes": {}}
+    original = steps.train_step
+
+    def timed(args, run, iteration, num_micro):
+        if not hasattr(run.optimizer, "_bench_step"):
+            inner = run.optimizer.step
+
+            def counted_step():
+                with count_collectives() as calls:
+                    out = inner()
+                rec["step_calls"].append(list(calls))
+                return out
+
+            run.optimizer.step, run.optimizer._bench_step = counted_step, True
+        dist.barrier()
+        start = time.perf_counter()
+        with count_collectives() as calls:
+            out = original(args, run, iteration, num_micro)
+        rec["iter_s"].append(time.perf_counter() - start)
+        rec["step_s"].append(out[4])
+        rec["calls"].append(list(calls))
+        rec["bytes"] = {k: v for c in run.chunks for k, v in c.local_bytes().items()}
+        rec["bytes"].update(run.optimizer.local_bytes())
+        return out
+
+    steps.train_step = timed
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            history = pretrain(parse_args(list(argv), world_size=world))
+    finally:
+        steps.train_step = original
+    rec["losses"] = [loss for _, loss in history["train"]]
+    return rec
+
+
+def _tensor_calls(calls) -> list:
+    return [c for c in calls if c[1] > 2]
+
+
+def summarize(ranks: list[dict], warmup: int) -> dict:
+    """Medians over the timed iterations of the max over ranks; bytes of rank 0's calls."""
+    n = len(ranks[0]["iter_s"])
+    timed = range(min(warmup, n - 1), n)
+    iter_ms = statistics.median(max(r["iter_s"][i] for r in ranks) * 1e3 for i in timed)
+    step_ms = statistics.median(max(r["step_s"][i] for r in ranks) * 1e3 for i in timed)
+    last_all, last_step = ranks[0]["calls"][-1], ranks[0]["step_calls"][-1]
+    step_bytes = sum(c.nbytes for c in last_step)
+    return {
+        "iter_ms": iter_ms,
+        "step_ms": step_ms,
+        "fb_bytes": sum(c.nbytes for c in last_all) - step_bytes,
+        "step_bytes": step_bytes,
+        "step_tensor_collectives": max(len(_tensor_calls(r["step_calls"][-1])) for r in ranks),
+        "persistent_bytes": max(sum(r["bytes"].values()) for r in ranks),
+        "losses": ranks[0]["losses"],
+    }
+
+
+def print_world(world: int, rows: dict) -> None:
+    print(f"\nW={world}")
+    print(f"{'mode':>5} {'iter ms':>9} {'step ms':>9} {'fwd+bwd MB':>11} {'step MB':>9} {'step coll':>9} {'mem MB':>8}")
+    for mode, r in rows.items():
+        print(
+            f"{mode:>5} {r['iter_ms']:>9.1f} {r['step_ms']:>9.1f} {r['fb_bytes'] / 2**20:>11.2f} "
+            f"{r['step_bytes'] / 2**20:>9.2f} {r['step_tensor_collectives']:>9d} {r['persistent_bytes'] / 2**20:>8.2f}"
+        )
+    ours = rows["ours"]
+    for other in ("even", "ddp"):
+        r = rows[other]
+        print(
+            f"{other}/ours: iteration {r['iter_ms'] / ours['iter_ms']:.2f}x, "
+            f"step {r['step_ms'] / ours['step_ms']:.2f}x, "
+            f"memory {r['persistent_bytes'] / ours['persistent_bytes']:.2f}x"
+        )
+    loss_diff = max(abs(a - b) for a, b in zip(ours["losses"], rows["even"]["losses"]))
+    ddp_diff = max(abs(a - b) for a, b in zip(ours["losses"], rows["ddp"]["losses"]))
+    print(f"max |loss ours - even| = {loss_diff:.3e}, max |loss ours - ddp| = {ddp_diff:.3e}")
+    counts = " ".join(f"{m}_step_tensor_collectives={r['step_tensor_collectives']}" for m, r in rows.items())
+    print(
+        f"RESULT W={world} {counts} iter_even_over_ours={rows['even']['iter_ms'] / ours['iter_ms']:.3f} "
+        f"step_even_over_ours={rows['even']['step_ms'] / ours['step_ms']:.3f} "
+        f"iter_ddp_over_ours={rows['ddp']['iter_ms'] / ours['iter_ms']:.3f} loss_even_diff={loss_diff:.3e}"
+    )
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="tiny model, W=2, 2 iterations (CI smoke)")
+    p.add_argument("--world-sizes", type=int, nargs="+", default=None)
+    p.add_argument("--num-layers", type=int, default=4)
+    p.add_argument("--hidden-size", type=int, default=512)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--seq-length", type=int, default=128)
+    p.add_argument("--micro-batch-size", type=int, default=2)
+    p.add_argument("--vocab-size", type=int, default=1024)
+    p.add_argument("--iters", type=int, default=6)
+    p.add_argument("--warmup", type=int, default=2, help="iterations left out of the medians")
+    p.add_argument("--ns-dtype", choices=["fp32", "bf16"], default="fp32")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per worker")
+    a = p.parse_args(argv)
+    if a.quick:
+        a.num_layers, a.hidden_size, a.heads, a.seq_length, a.vocab_size, a.iters, a.warmup = 2, 64, 4, 32, 256, 2, 1
+    a.world_sizes = a.world_sizes or ([2] if a.quick else [2, 4])
+    return a
+
+
+def main(argv=None) -> None:
+    from megatron_mfsdp.testing import run_workers
+
+    a = parse_args(argv)
+    flags = model_flags(a)
+    print(f"bench_end_to_end: {' '.join(flags)}")
+    for world in a.world_sizes:
+        rows = {}
+        for mode, extra in MODES.items():
+            argv = [*flags, *extra, "--global-batch-size", str(a.micro_batch_size * world)]
+            ranks = run_workers(world, _worker, argv, threads=a.threads, timeout=3600)
+            rows[mode] = summarize(ranks, a.warmup)
+        print_world(world, rows)
+
+
+if __name__ == "__main__":
+    main()
