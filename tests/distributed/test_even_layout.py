@@ -2,6 +2,7 @@
 as the owner layout and the single-process reference, and a step that gathers every matrix while the
 owner layout's moves no tensor."""
 
+import pytest
 import torch
 
 from megatron_mfsdp.testing import (
@@ -89,3 +90,46 @@ def test_dp2_even_layout_equals_owner_layout_and_reference():
     # The same optimizer state in total: momentum and moments cover every element once.
     states = [sum(r["bytes"]["optimizer_state"] for r in run) for run in (even, owner)]
     assert states[0] == states[1]
+
+
+def test_even_rule_set_and_bounds():
+    """The rule set of layout 'even' sends the hidden matrices to muon_even (SLICE), leaves the tail to
+    adamw, and a matrix's per-rank bounds follow the even tail split (rank order, covering it once)."""
+    from megatron_mfsdp.models.gpt import gpt_param_rules
+    from megatron_mfsdp.optim import registry
+    from megatron_mfsdp.placement import ParamSpec, UnitSpec, plan_units
+
+    rules = registry.rule_set(gpt_param_rules(registry.PLACEMENT_MATRIX_RULE), "even")
+    assert rules.classify("decoder.layers.0.mlp.linear_fc1.weight", (128, 64)) == "muon_even"
+    assert rules.storage("muon_even") == "slice"
+    assert rules.classify("decoder.layers.0.mlp.linear_fc1.bias", (128,)) == "adamw"
+    assert registry.rule_set(gpt_param_rules("muon")).classify("x.linear_fc1.weight", (4, 4)) == "muon"
+    with pytest.raises(ValueError, match="--mfsdp-layout"):
+        registry.rule_set([], "zero3")
+    specs = [ParamSpec("a", (5, 7), "muon_even", "slice"), ParamSpec("b", (3,), "adamw", "slice")]
+    layout = plan_units([UnitSpec("u", specs)], 3).units[0]
+    assert layout.tail_bounds == [0, 13, 26, 38]
+    assert layout.param_bounds(layout.slots[0]) == [0, 13, 26, 35]
+    assert layout.param_bounds(layout.slots[1]) == [0, 0, 0, 3]
+    owner = plan_units([UnitSpec("u", [ParamSpec("a", (5, 7), "muon", "whole", cost=1)])], 3).units[0]
+    r = owner.slots[0].owner
+    assert owner.param_bounds(owner.slots[0]) == [0] + [0 if k < r else 35 for k in range(3)]
+
+
+def test_mfsdp_layout_flag(capsys):
+    """--mfsdp-layout reaches MatrixFSDPConfig; 'even' without --use-matrix-fsdp or with TP is refused."""
+    from megatron_mfsdp.training.arguments import parse_args
+    from megatron_mfsdp.training.setup import runtime_config
+    from tests.launch import TINY
+
+    assert runtime_config(parse_args([*TINY, "--use-matrix-fsdp"], world_size=2)).layout == "owner"
+    args = parse_args([*TINY, "--use-matrix-fsdp", "--mfsdp-layout", "even"], world_size=2)
+    assert runtime_config(args).layout == "even"
+    refused = (
+        ([], "needs --use-matrix-fsdp"),
+        (["--use-matrix-fsdp", "--tensor-model-parallel-size", "2"], "supports --tensor-model-parallel-size 1 only"),
+    )
+    for extra, why in refused:
+        with pytest.raises(SystemExit):
+            parse_args([*TINY, *extra, "--mfsdp-layout", "even"], world_size=2)
+        assert f"--mfsdp-layout even {why}" in capsys.readouterr().err

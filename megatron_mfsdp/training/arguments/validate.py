@@ -392,6 +392,19 @@ def _has_cuda() -> bool:
     return torch.cuda.is_available()
 
 
+def _validate_layout(args) -> None:
+    """--mfsdp-layout even is the reconstruction baseline on one DP shard group: Muon on whole
+    (TP-local) matrices, no FP8 owners."""
+    if args.mfsdp_layout == "owner":
+        return
+    if not args.use_matrix_fsdp:
+        _fail(f"--mfsdp-layout {args.mfsdp_layout} needs --use-matrix-fsdp (it is a MatrixFSDP layout)")
+    if args.tensor_model_parallel_size > 1:
+        _fail(f"--mfsdp-layout {args.mfsdp_layout} supports --tensor-model-parallel-size 1 only (no Muon TP modes)")
+    if getattr(args, "fp8_param_gather", False):
+        _fail(f"--mfsdp-layout {args.mfsdp_layout} does not support --fp8-param-gather (FP8 needs whole matrices)")
+
+
 def validate_optimizer(args) -> None:
     from ...optim import registry
     from ...placement.rules import parse_rule
@@ -401,6 +414,7 @@ def validate_optimizer(args) -> None:
     args.param_rules = [parse_rule(rule, registry.rule_names()) for rule in args.mfsdp_param_rule]
     runtime_config(args)  # the configs validate their own fields (one source of truth)
     optimizer_config(args)
+    _validate_layout(args)
     if args.use_matrix_fsdp:
         for flag, on, instead in (
             (
