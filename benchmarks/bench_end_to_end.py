@@ -16,9 +16,11 @@ Per mode and W it prints the median iteration time (train_step: forward, backwar
 barrier; max over ranks per iteration), the median optimizer step time (max over ranks), the tensor
 bytes handed to collectives per iteration in forward+backward and in the step (inputs and outputs
 of each call as ``megatron_mfsdp.testing.count_collectives`` records them, rank 0), the step's
-tensor collectives (calls with more than 2 elements), and the persistent tensor bytes per rank
-(parameter and gradient segments, fp32 masters, optimizer state: counted, not RSS; max over ranks).
-Transient peaks (gathered units, activations, the gathered matrix in even's step) are not counted.
+tensor collectives (calls with more than 2 elements), the persistent tensor bytes per rank
+(parameter and gradient segments, fp32 masters, optimizer state: counted, not RSS; max over ranks)
+and the peak: persistent bytes plus the peak of tensor bytes allocated and not yet freed during one
+extra, untimed iteration (gathered units, activations, gradients, even's gathered matrices), from
+the CPU allocator's events in torch.profiler (profile_memory); max over ranks.
 
     .venv/bin/python benchmarks/bench_end_to_end.py            # W = 2 and 4, 4 layers, hidden 512
     .venv/bin/python benchmarks/bench_end_to_end.py --quick    # CI smoke: tiny model, W = 2
@@ -27,6 +29,7 @@ Transient peaks (gathered units, activations, the gathered matrix in even's step
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import time
 
@@ -43,7 +46,7 @@ def model_flags(a) -> list[str]:
     return [
         *shape,
         *("--mock-data", "--tokenizer-type", "NullTokenizer", "--micro-batch-size", str(a.micro_batch_size)),
-        *("--train-iters", str(a.iters), "--lr", "1e-3", "--lr-warmup-iters", "0", "--eval-iters", "0"),
+        *("--train-iters", str(a.iters + 1), "--lr", "1e-3", "--lr-warmup-iters", "0", "--eval-iters", "0"),
         *("--eval-interval", str(10 * a.iters), "--hidden-dropout", "0", "--attention-dropout", "0"),
         *("--optimizer", "muon", "--muon-momentum", "0.95", "--muon-use-nesterov"),
         *("--muon-coefficient-type", "simple", "--muon-ns-dtype", a.ns_dtype, "--log-interval", str(a.iters)),
@@ -51,9 +54,24 @@ def model_flags(a) -> list[str]:
     ]  # fmt: skip
 
 
+@contextlib.contextmanager
+def transient_peak():
+    """The peak of tensor bytes allocated and not yet freed inside the block (the allocator's
+    events as torch.profiler records them with profile_memory): ``peak[0]`` after the block."""
+    from torch.profiler import ProfilerActivity, profile
+
+    peak = [0]
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        yield peak
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
+    live = 0
+    for _, nbytes in events:
+        live += nbytes
+        peak[0] = max(peak[0], live)
+
+
 def _worker(rank, world, argv):
     """One pretrain run; per iteration its seconds, step seconds and collectives on this rank."""
-    import contextlib
     import io
 
     import torch.distributed as dist
@@ -78,6 +96,11 @@ def _worker(rank, world, argv):
 
             run.optimizer.step, run.optimizer._bench_step = counted_step, True
         dist.barrier()
+        if iteration == args.train_iters:  # the extra last iteration: allocations, not timing
+            with transient_peak() as peak:
+                out = original(args, run, iteration, num_micro)
+            rec["transient_peak"] = peak[0]
+            return out
         start = time.perf_counter()
         with count_collectives() as calls:
             out = original(args, run, iteration, num_micro)
@@ -105,7 +128,7 @@ def _tensor_calls(calls) -> list:
 def summarize(ranks: list[dict], warmup: int) -> dict:
     """Medians over the timed iterations of the max over ranks; bytes of rank 0's calls."""
     n = len(ranks[0]["iter_s"])
-    timed = range(min(warmup, n - 1), n)
+    timed = range(min(warmup, n - 1), n)  # the profiled last iteration is not in iter_s
     iter_ms = statistics.median(max(r["iter_s"][i] for r in ranks) * 1e3 for i in timed)
     step_ms = statistics.median(max(r["step_s"][i] for r in ranks) * 1e3 for i in timed)
     last_all, last_step = ranks[0]["calls"][-1], ranks[0]["step_calls"][-1]
@@ -117,17 +140,22 @@ def summarize(ranks: list[dict], warmup: int) -> dict:
         "step_bytes": step_bytes,
         "step_tensor_collectives": max(len(_tensor_calls(r["step_calls"][-1])) for r in ranks),
         "persistent_bytes": max(sum(r["bytes"].values()) for r in ranks),
+        "peak_bytes": max(sum(r["bytes"].values()) + r["transient_peak"] for r in ranks),
         "losses": ranks[0]["losses"],
     }
 
 
 def print_world(world: int, rows: dict) -> None:
     print(f"\nW={world}")
-    print(f"{'mode':>5} {'iter ms':>9} {'step ms':>9} {'fwd+bwd MB':>11} {'step MB':>9} {'step coll':>9} {'mem MB':>8}")
+    print(
+        f"{'mode':>5} {'iter ms':>9} {'step ms':>9} {'fwd+bwd MB':>11} {'step MB':>9} {'step coll':>9} "
+        f"{'state MB':>9} {'peak MB':>8}"
+    )
     for mode, r in rows.items():
         print(
             f"{mode:>5} {r['iter_ms']:>9.1f} {r['step_ms']:>9.1f} {r['fb_bytes'] / 2**20:>11.2f} "
-            f"{r['step_bytes'] / 2**20:>9.2f} {r['step_tensor_collectives']:>9d} {r['persistent_bytes'] / 2**20:>8.2f}"
+            f"{r['step_bytes'] / 2**20:>9.2f} {r['step_tensor_collectives']:>9d} {r['persistent_bytes'] / 2**20:>9.2f} "
+            f"{r['peak_bytes'] / 2**20:>8.2f}"
         )
     ours = rows["ours"]
     for other in ("even", "ddp"):
@@ -135,7 +163,8 @@ def print_world(world: int, rows: dict) -> None:
         print(
             f"{other}/ours: iteration {r['iter_ms'] / ours['iter_ms']:.2f}x, "
             f"step {r['step_ms'] / ours['step_ms']:.2f}x, "
-            f"memory {r['persistent_bytes'] / ours['persistent_bytes']:.2f}x"
+            f"persistent memory {r['persistent_bytes'] / ours['persistent_bytes']:.2f}x, "
+            f"peak {r['peak_bytes'] / ours['peak_bytes']:.2f}x"
         )
     loss_diff = max(abs(a - b) for a, b in zip(ours["losses"], rows["even"]["losses"]))
     ddp_diff = max(abs(a - b) for a, b in zip(ours["losses"], rows["ddp"]["losses"]))
@@ -158,7 +187,7 @@ def parse_args(argv=None):
     p.add_argument("--seq-length", type=int, default=128)
     p.add_argument("--micro-batch-size", type=int, default=2)
     p.add_argument("--vocab-size", type=int, default=1024)
-    p.add_argument("--iters", type=int, default=6)
+    p.add_argument("--iters", type=int, default=6, help="timed iterations (one more runs under the memory profiler)")
     p.add_argument("--warmup", type=int, default=2, help="iterations left out of the medians")
     p.add_argument("--ns-dtype", choices=["fp32", "bf16"], default="fp32")
     p.add_argument("--threads", type=int, default=1, help="torch threads per worker")
