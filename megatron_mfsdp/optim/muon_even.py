@@ -53,7 +53,7 @@ def step(pieces: Sequence[OwnedPiece], ctx: StepContext) -> None:
     if len(local) != len(pieces):
         raise ValueError("muon_even: a rank holds two slices of one parameter; the layout is not even ZeRO-3")
     rank = group_rank(ctx.dp_group)
-    device = pieces[0].master.device if pieces else torch.device("cpu")
+    device = pieces[0].master.device if pieces else _group_device(ctx.dp_group)
     for m in ctx.matrices:
         _check(m, group_size(ctx.dp_group))
         piece = local.get(m.global_name)
@@ -62,6 +62,13 @@ def step(pieces: Sequence[OwnedPiece], ctx: StepContext) -> None:
         if piece is not None:
             mine = update.reshape(-1)[m.bounds[rank] : m.bounds[rank + 1]]
             apply_update_(piece.master, mine, alpha, lr, weight_decay)
+
+
+def _group_device(group) -> torch.device:
+    """Where a rank that holds no slice makes its empty send buffer: NCCL needs a CUDA tensor."""
+    if group is not None and dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def _check(m: GroupMatrix, world: int) -> None:
