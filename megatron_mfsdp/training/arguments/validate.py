@@ -166,11 +166,14 @@ def validate_fp8(args) -> None:
             _fail("--fp8-param-gather needs --fp8-format (as Megatron-LM: FP8 parameters need FP8 mode)")
         return
     if not args.use_matrix_fsdp:
-        _fail(
-            f"--fp8-format {args.fp8} needs --use-matrix-fsdp: Megatron's own FP8 path runs inside Transformer "
-            "Engine on CUDA (not available here, and not wired into megatron-mfsdp); with --use-matrix-fsdp "
-            "--fp8-param-gather each owner quantizes its own matrices"
+        # A Megatron-LM FP8 launch script still runs unmodified (issue 8): bf16, with one notice.
+        args.notices.append(
+            f"--fp8-format {args.fp8}: Megatron's own FP8 path runs inside Transformer Engine on CUDA (not "
+            "wired into megatron-mfsdp); this run computes in bf16. With --use-matrix-fsdp --fp8-param-gather "
+            "each owner quantizes its own matrices"
         )
+        args.fp8, args.fp8_param_gather = None, False
+        return
     if not args.bf16:
         _fail(f"--fp8-format {args.fp8} needs --bf16: FP8 weights are cast from bf16 and the rest computes in bf16")
     if args.optimizer != "muon":
