@@ -1,5 +1,11 @@
-"""Batched owner math (issue 11, item 4): Newton-Schulz stacked by shape and AdamW with
-foreach kernels give bitwise the numbers of the per-matrix and per-piece loops on CPU."""
+"""Batched owner math (issue 11, item 4): Newton-Schulz stacked by shape gives the numbers of
+the per-matrix loop within fp32 rounding, and AdamW with foreach kernels gives bitwise those of
+the per-piece loop.
+
+Batched Newton-Schulz is not bitwise: the CPU BLAS may block a batched product differently from
+a single one depending on the machine and its thread count (CI measured a difference where this
+machine measured none), and on CUDA batched GEMMs pick other kernels. The tolerance below is
+stated against one step's size: a matrix updated with another's direction is off by a step."""
 
 from types import SimpleNamespace
 
@@ -43,22 +49,39 @@ def _tensors(pieces):
     return [t for p in pieces for t in (p.master, *p.state.values())]
 
 
+# Largest |batched - per-matrix| allowed in a master after two steps: fp32 reassociation in
+# the products (measured up to 2.4e-7), or one bf16 ulp of the orthogonalized update (~0.4% of
+# an update of ~3.5e-3 mean size, 1.4e-5). One step changes a master by ~3.5e-3 on average.
+TOLERANCE = {"fp32": 1e-5, "bf16": 1e-4}
+
+
+def _max_difference(a, b):
+    return max((x - y).abs().max().item() for x, y in zip(_tensors(a), _tensors(b)))
+
+
 @pytest.mark.parametrize("ns_dtype,nesterov", [("fp32", True), ("bf16", False)])
-def test_batched_muon_step_is_bitwise_the_per_matrix_step(ns_dtype, nesterov, monkeypatch):
+def test_batched_muon_step_matches_the_per_matrix_step(ns_dtype, nesterov, monkeypatch):
     monkeypatch.setattr(muon, "BATCH_ELEMENTS", 3 * 64 * 64)  # also split a shape over two stacks
-    batched, looped = (_pieces(0, SHAPES * 2, ("momentum_buffer",)) for _ in range(2))
+    batched, looped, start = (_pieces(0, SHAPES * 2, ("momentum_buffer",)) for _ in range(3))
     for step in (1, 2):
         ctx = StepContext(_config(ns_dtype, nesterov), step, lr=0.02, weight_decay=0.1)
         muon.step_batched(batched, ctx)
         muon.step_per_matrix(looped, ctx)
-    assert all(torch.equal(a, b) for a, b in zip(_tensors(batched), _tensors(looped)))
-    assert not torch.equal(batched[0].master, _pieces(0, SHAPES * 2, ())[0].master)  # it did step
+    assert _max_difference(batched, looped) <= TOLERANCE[ns_dtype]
+    # Negative control: two same-shape matrices whose results were swapped are caught.
+    swapped = list(looped)
+    swapped[0], swapped[4] = swapped[4], swapped[0]  # both (64, 64)
+    assert _max_difference(swapped, looped) > 20 * TOLERANCE[ns_dtype]
+    step_size = min((b.master - s.master).abs().mean().item() for b, s in zip(batched, start))
+    assert step_size > 20 * TOLERANCE[ns_dtype]  # it did step, by more than the tolerance
 
 
 def test_newton_schulz_batched_matches_each_matrix():
     x = torch.randn(3, 96, 40)
     out = muon.newton_schulz_batched(x, 5, "simple", torch.float32)
-    assert all(torch.equal(out[i], muon.newton_schulz(x[i], 5, "simple", torch.float32)) for i in range(3))
+    each = torch.stack([muon.newton_schulz(x[i], 5, "simple", torch.float32) for i in range(3)])
+    torch.testing.assert_close(out, each, rtol=0, atol=1e-5)
+    assert (out[0] - each[1]).abs().max() > 1e-2  # the entries are different matrices
     with pytest.raises(ValueError, match="stack"):
         muon.newton_schulz_batched(x[0])
 
