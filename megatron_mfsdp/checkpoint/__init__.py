@@ -4,23 +4,25 @@
   ``load_checkpoint(args, chunks, optimizer, scheduler)``: a training job's checkpoint in
   ``--ckpt-format torch_dist`` (megatron-core dist_checkpointing, Megatron-LM's layout, loads at
   any TP x PP x DP) or ``torch`` (per-rank files of one layout); collective.
-- ``read_global_state(load_dir)`` -> (args, {global name: full tensor}) and
-  ``write_global_state(save_dir, args, tensors)``: the unsplit model in one process, for conversion.
+- ``read_model_checkpoint(load_dir)`` -> (args, {state-dict name: full tensor}) and
+  ``write_model_checkpoint(save_dir, args, tensors)``: the whole model at 1 x 1 x 1 from or to
+  any layout's torch_dist checkpoint, for conversion (model_files.py).
 
 Folders are written atomically with checksums (files.py); see docs/design.md, "Checkpoints"."""
 
 from .files import TRACKER, read_tracker, verify_manifest
-from .global_state import read_global_state, write_global_state
 from .job import finalize_async_save, load_checkpoint, read_checkpoint_args, save_checkpoint
+from .model_files import CheckpointError, read_model_checkpoint, write_model_checkpoint
 
 __all__ = [
+    "CheckpointError",
     "TRACKER",
     "finalize_async_save",
     "load_checkpoint",
     "read_checkpoint_args",
-    "read_global_state",
+    "read_model_checkpoint",
     "read_tracker",
     "save_checkpoint",
     "verify_manifest",
-    "write_global_state",
+    "write_model_checkpoint",
 ]

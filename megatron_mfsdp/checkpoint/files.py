@@ -28,6 +28,24 @@ def temporary_dir(root: str, iteration: int) -> str:
     return iteration_dir(root, iteration) + TMP_SUFFIX
 
 
+RELEASE = "release"
+
+
+def load_target(root: str, step: int | None = None) -> tuple[str, int] | None:
+    """(folder, iteration) that --load ROOT reads: ``step`` (--ckpt-step) or the tracker's; a
+    tracker that says ``release`` means ROOT/release/ at iteration 0 (Megatron-LM's
+    get_checkpoint_name, megatron/training/checkpointing.py at core_v0.16.1). None: no tracker."""
+    if step is not None:
+        return iteration_dir(root, step), step
+    path = os.path.join(root, TRACKER)
+    if os.path.isfile(path):
+        with open(path) as f:
+            if f.read().strip() == RELEASE:
+                return os.path.join(root, RELEASE), 0
+    iteration = read_tracker(root)
+    return None if iteration is None else (iteration_dir(root, iteration), iteration)
+
+
 def read_tracker(root: str) -> int | None:
     """The iteration the tracker names, or None without a tracker ('release' is Megatron's 0)."""
     path = os.path.join(root, TRACKER)

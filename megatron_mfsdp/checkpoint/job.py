@@ -191,9 +191,9 @@ def finalize_async_save(blocking: bool = False) -> bool:
     return True
 
 
-def _verified_folder(load_dir: str, iteration: int) -> dict:
+def _verified_folder(load_dir: str, folder: str) -> dict:
     """Rank 0 checks every file's checksum before anything is read; every rank raises its error."""
-    folder, error, manifest = files.iteration_dir(load_dir, iteration), None, None
+    error, manifest = None, None
     if dist.get_rank() == 0:
         try:
             if not os.path.isdir(folder):
@@ -281,12 +281,12 @@ def load_checkpoint(args, chunks, optimizer, scheduler, groups=None) -> dict | N
     when there is no checkpoint, else {'iteration', 'consumed_train', 'consumed_valid', 'args'}.
     Every file is checked against its checksum first; a checkpoint of another model shape, a
     changed schedule (see resume.check_schedule) or a damaged file stops with the file named."""
-    iteration = args.ckpt_step if args.ckpt_step is not None else files.read_tracker(args.load)
-    if iteration is None:
+    target = files.load_target(args.load, args.ckpt_step)
+    if target is None:
         return None
+    folder, iteration = target
     start = time.perf_counter()
-    manifest = _verified_folder(args.load, iteration)
-    folder = files.iteration_dir(args.load, iteration)
+    manifest = _verified_folder(args.load, folder)
     if manifest.get("format") == "torch":
         common = local.load_rank_file(args, folder, chunks, optimizer, scheduler)
     else:
@@ -306,10 +306,10 @@ def load_checkpoint(args, chunks, optimizer, scheduler, groups=None) -> dict | N
 
 def read_checkpoint_args(load_dir: str, ckpt_step: int | None = None) -> dict | None:
     """The arguments a checkpoint was saved with (for --use-checkpoint-args), verified first."""
-    iteration = ckpt_step if ckpt_step is not None else files.read_tracker(load_dir)
-    if iteration is None:
+    target = files.load_target(load_dir, ckpt_step)
+    if target is None:
         return None
-    folder = files.iteration_dir(load_dir, iteration)
+    folder = target[0]
     manifest = files.verify_manifest(folder, foreign_ok=True)
     if manifest.get("format") == "torch":
         return local.read_args(folder)

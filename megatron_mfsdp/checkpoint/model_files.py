@@ -4,9 +4,10 @@ The layout (megatron/training/checkpointing.py at core_v0.16.1): ``DIR/latest_ch
 names the iteration, ``DIR/iter_%07d/`` is a megatron-core ``dist_checkpointing.save`` of a state dict
 whose ``"model"`` entry is ``GPTModel.sharded_state_dict(prefix="")`` and whose common (non-tensor) part
 holds ``"args"`` (a plain dict of JSON-able values, ``vars(args)``), ``"checkpoint_version"`` 3.0 and
-``"iteration"``. Sharded-tensor keys are global (layers stacked on a leading axis, TP splits as offsets),
-so what any TP x PP x DP layout saved is read here by one process at 1 x 1 x 1 (dist_checkpointing
-reshards), and what is written here loads at any layout.
+``"iteration"``; our ``manifest.json`` (files.py) checksums every file. Sharded-tensor keys are global
+(layers stacked on a leading axis, TP splits as offsets), so what any TP x PP x DP layout saved is read
+here by one process at 1 x 1 x 1 (dist_checkpointing reshards), and what is written here loads at any
+layout.
 
 Tensors are exchanged under the names of the whole model's ``state_dict()`` (``models/gpt/hf.py``).
 """
@@ -22,9 +23,9 @@ import torch
 import torch.distributed as dist
 
 from ..compat.cpu import cuda_on_cpu
+from . import files
+from .state import CHECKPOINT_VERSION
 
-TRACKER_FILE = "latest_checkpointed_iteration.txt"
-CHECKPOINT_VERSION = 3.0
 EXTRA_STATE = "._extra_state"
 
 # Settings of the run, not of the model: the whole model is built on one rank without them.
@@ -51,25 +52,6 @@ WHOLE_MODEL_OVERRIDES = {
 
 class CheckpointError(ValueError):
     """A checkpoint folder that cannot be read as a model checkpoint; the message names the file."""
-
-
-def iteration_dir(root: str, iteration: int | str) -> str:
-    """``iter_%07d`` (or ``release``) under a --save/--load folder, as Megatron-LM names it."""
-    return os.path.join(root, "release" if iteration == "release" else f"iter_{int(iteration):07d}")
-
-
-def read_tracker(root: str) -> int | str:
-    """The iteration named by ``latest_checkpointed_iteration.txt`` (an int or ``"release"``)."""
-    path = os.path.join(root, TRACKER_FILE)
-    if not os.path.isfile(path):
-        raise CheckpointError(f"{path}: no such file (not a --ckpt-format torch_dist checkpoint folder)")
-    text = open(path).read().strip()
-    if text == "release":
-        return text
-    try:
-        return int(text)
-    except ValueError:
-        raise CheckpointError(f"{path}: holds {text!r}, not an iteration number or 'release'") from None
 
 
 def ensure_process_group() -> bool:
@@ -124,13 +106,22 @@ def model_tensors(model: torch.nn.Module) -> dict:
     return {k: v for k, v in model.state_dict().items() if not k.endswith(EXTRA_STATE)}
 
 
-def checkpoint_folder(root: str, step: int | None = None) -> tuple[str, int | str]:
-    """(iteration folder, iteration) of --load ROOT: the tracker's, or ``step`` (--ckpt-step)."""
-    iteration = read_tracker(root) if step is None else step
-    folder = iteration_dir(root, iteration)
+def checkpoint_folder(root: str, step: int | None = None) -> tuple[str, int]:
+    """(iteration folder, iteration) of --load ROOT (the tracker's, or ``step``: --ckpt-step),
+    its files checked against our manifest first (a Megatron-LM save has none: a notice)."""
+    target = files.load_target(root, step)
+    if target is None:
+        raise CheckpointError(
+            f"{os.path.join(root, files.TRACKER)}: no such file (not a --ckpt-format torch_dist checkpoint folder)"
+        )
+    folder = target[0]
     if not os.path.isfile(os.path.join(folder, "metadata.json")):
         raise CheckpointError(f"{folder}: no metadata.json (missing or not written by dist_checkpointing)")
-    return folder, iteration
+    try:
+        files.verify_manifest(folder, foreign_ok=True)
+    except ValueError as err:
+        raise CheckpointError(str(err)) from None
+    return target
 
 
 def load_whole_model(root: str, step: int | None = None) -> tuple[dict, torch.nn.Module]:
@@ -160,7 +151,9 @@ def read_model_checkpoint(root: str, step: int | None = None) -> tuple[dict, dic
 
 def write_model_checkpoint(root: str, args, tensors: dict, iteration: int = 0) -> str:
     """Write the whole model as a torch_dist checkpoint at 1 x 1 x 1 (any layout loads it) with no
-    optimizer state, then point the tracker at it. Returns the iteration folder."""
+    optimizer state (resume it with --finetune or --no-load-optim, as a converted Megatron-LM
+    checkpoint): into a temporary folder, checksummed, renamed into place, then the tracker
+    (files.py). Collective over the process group. Returns the iteration folder."""
     from megatron.core import dist_checkpointing
 
     from ..models.gpt.hf import load_into_model
@@ -169,10 +162,15 @@ def write_model_checkpoint(root: str, args, tensors: dict, iteration: int = 0) -
     ensure_process_group()
     model = whole_model(args)
     load_into_model(model, tensors)
-    folder = iteration_dir(root, iteration)
+    folder = files.iteration_dir(root, iteration)
     if os.path.exists(folder) and os.listdir(folder):
         raise CheckpointError(f"{folder}: already exists; choose an empty --save-dir")
-    os.makedirs(folder, exist_ok=True)
+    tmp = files.temporary_dir(root, iteration)
+    if dist.get_rank() == 0:
+        os.makedirs(root, exist_ok=True)
+        files.remove_leftovers(root)
+        os.makedirs(tmp)
+    dist.barrier()
     state = {
         "model": model.sharded_state_dict(prefix=""),
         "args": args,
@@ -180,11 +178,11 @@ def write_model_checkpoint(root: str, args, tensors: dict, iteration: int = 0) -
         "iteration": iteration,
     }
     with cuda_on_cpu():
-        dist_checkpointing.save(state, folder)
+        dist_checkpointing.save(state, tmp)
+    dist.barrier()
     if dist.get_rank() == 0:
-        tracker = os.path.join(root, TRACKER_FILE)
-        with open(tracker + ".tmp", "w") as f:
-            f.write(str(iteration))
-        os.replace(tracker + ".tmp", tracker)
+        files.write_manifest(tmp, {"iteration": iteration, "format": "torch_dist"})
+        files.publish(tmp, folder)
+        files.write_tracker(root, iteration)
     dist.barrier()
     return folder

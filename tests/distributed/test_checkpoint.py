@@ -1,6 +1,6 @@
 """Checkpoints below the training loop: megatron-core dist_checkpointing of MatrixFSDP's weights and
 optimizer state by megatron-core's keys, saved at DP=2 and loaded at DP=1, 2 and 4 (other owner
-ranges), bitwise; the unsplit model in one process (read_global_state / write_global_state); the
+ranges), bitwise; the whole model in one process (read_model_checkpoint / write_model_checkpoint); the
 owner-range boxes; the folder rules (manifest, tracker)."""
 
 import math
@@ -90,16 +90,17 @@ def test_flat_boxes_cover_every_range_exactly_once():
                 ]
 
 
-def _global_state_worker(rank, world_size, load, save):
-    from megatron_mfsdp.checkpoint import read_global_state, write_global_state
+def _whole_model_worker(rank, world_size, load, save):
+    from megatron_mfsdp.checkpoint import files, read_model_checkpoint, write_model_checkpoint
 
-    args, tensors = read_global_state(load)
-    write_global_state(save, args, tensors)
-    again_args, again = read_global_state(save)
+    args, tensors = read_model_checkpoint(load)
+    write_model_checkpoint(save, args, tensors)
+    files.verify_manifest(files.iteration_dir(save, 0))  # written with checksums
+    again_args, again = read_model_checkpoint(save)
     return {"args": args, "tensors": tensors, "again": again, "again_args": again_args}
 
 
-def test_read_and_write_global_state_in_one_process(tmp_path):
+def test_read_and_write_the_whole_model_in_one_process(tmp_path):
     """A TP=2 x DP=2 SwiGLU training checkpoint read as the unsplit model (fc1 whole: both halves of
     both TP shards), written back and read again: bitwise."""
     from tests.launch import TINY, pretrain_in_workers
@@ -119,7 +120,7 @@ def test_read_and_write_global_state_in_one_process(tmp_path):
         "2",
         tmp_path=tmp_path,
     )
-    got = run_workers(1, _global_state_worker, str(save), str(tmp_path / "global"))[0]
+    got = run_workers(1, _whole_model_worker, str(save), str(tmp_path / "global"))[0]
     assert got["args"]["hidden_size"] == 64 and got["args"]["swiglu"] and got["again_args"] == got["args"]
     names = set(got["tensors"])
     assert "decoder.layers.1.mlp.linear_fc1.weight" in names and "embedding.word_embeddings.weight" in names

@@ -562,11 +562,22 @@ def validate_device(args) -> None:
     if off:
         args.notices.append("fusions not available on this machine, running without: " + ", ".join(off))
     if args.disable_jit_fuser:
-        from megatron.core import jit
-
-        jit.disable_jit_fuser()
+        _disable_jit_fuser()
     if args.dataloader_type == "cyclic":
         _fail("--dataloader-type cyclic is not supported by megatron-mfsdp yet (single: Megatron-LM's default)")
+
+
+def _disable_jit_fuser() -> None:
+    """Megatron-LM's --disable-jit-fuser (megatron/training/global_vars.py at core_v0.16.1 calls
+    megatron.core.jit.disable_jit_fuser). That swaps the decorator only for functions decorated
+    later; megatron.core.fusions (bias-GeLU, bias-SwiGLU, ...) are decorated with torch.compile when
+    imported, which happens before flags are parsed here, so the compiler's stance is set to eager
+    too: no compilation (seconds per shape on a CPU, inductor's C++ build) for either."""
+    import torch
+    from megatron.core import jit
+
+    jit.disable_jit_fuser()
+    torch.compiler.set_stance("force_eager")
 
 
 def _importable(module: str) -> bool:
