@@ -579,3 +579,23 @@ def test_sample_based_schedule_and_rampup_parse():
     err_args = TINY + ["--rampup-batch-size", "3", "4", "16"]
     with pytest.raises(SystemExit):
         _parse(err_args)
+
+
+def test_disable_jit_fuser_runs_megatrons_compiled_fusions_eagerly():
+    """megatron.core.fusions decorate bias-GeLU with torch.compile at import; --disable-jit-fuser
+    must still leave it uncompiled (dynamo's graph counter stays at 0)."""
+    import torch
+    from megatron.core.fusions.fused_bias_gelu import bias_gelu_impl
+    from torch._dynamo.utils import counters
+
+    try:
+        counters.clear()
+        torch.compile(lambda t: t * 2, backend="eager")(torch.ones(2))  # the counter counts compiles
+        assert counters["stats"]["unique_graphs"] == 1
+        _parse([*MINIMAL, "--disable-jit-fuser"])
+        counters.clear()
+        x, bias = torch.randn(4, 8, requires_grad=True), torch.randn(8, requires_grad=True)
+        bias_gelu_impl(x, bias).sum().backward()
+        assert counters["stats"]["unique_graphs"] == 0 and x.grad is not None
+    finally:
+        torch.compiler.set_stance("default")
