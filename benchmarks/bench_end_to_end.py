@@ -22,15 +22,28 @@ and the peak: persistent bytes plus the peak of tensor bytes allocated and not y
 extra, untimed iteration (gathered units, activations, gradients, even's gathered matrices), from
 the CPU allocator's events in torch.profiler (profile_memory); max over ranks.
 
+With ``--paper-checkout DIR`` (a checkout of songbingze/matrix-fsdp) it also runs the paper's own
+benchmark (test/fsdp/bench_fsdp2_compare.py, owner mode matrix_owner_muon_role_greedy_custom_collective,
+--phase-timing, through benchmarks/paper_launcher.py for the NS dtype) on the same shape, per-rank
+batch, warm-up and step counts, and prints its step and whole-step times beside ours. Its figures
+are means over steps of the slowest rank per phase (its own measurement), ours medians of the
+slowest rank; its model is a bare transformer stack with an MSE loss (no embedding or output
+layer), ours megatron-core's GPTModel with a --vocab-size embedding. Its whole step includes the
+gc.collect() its optimizer's zero_grad makes every step; the line without it is printed too.
+
     .venv/bin/python benchmarks/bench_end_to_end.py            # W = 2 and 4, 4 layers, hidden 512
     .venv/bin/python benchmarks/bench_end_to_end.py --quick    # CI smoke: tiny model, W = 2
+    .venv/bin/python benchmarks/bench_end_to_end.py --modes ours --paper-checkout ../matrix-fsdp --ns-dtype bf16
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import statistics
+import subprocess
+import sys
 import time
 
 MODES = {"ours": ["--use-matrix-fsdp"], "even": ["--use-matrix-fsdp", "--mfsdp-layout", "even"], "ddp": []}
@@ -158,22 +171,68 @@ def print_world(world: int, rows: dict) -> None:
             f"{r['peak_bytes'] / 2**20:>8.2f}"
         )
     ours = rows["ours"]
-    for other in ("even", "ddp"):
+    for other in [m for m in ("even", "ddp") if m in rows]:
         r = rows[other]
         print(
             f"{other}/ours: iteration {r['iter_ms'] / ours['iter_ms']:.2f}x, "
             f"step {r['step_ms'] / ours['step_ms']:.2f}x, "
             f"persistent memory {r['persistent_bytes'] / ours['persistent_bytes']:.2f}x, "
-            f"peak {r['peak_bytes'] / ours['peak_bytes']:.2f}x"
+            f"peak {r['peak_bytes'] / ours['peak_bytes']:.2f}x, "
+            f"max |loss ours - {other}| = {max(abs(a - b) for a, b in zip(ours['losses'], r['losses'])):.3e}"
         )
-    loss_diff = max(abs(a - b) for a, b in zip(ours["losses"], rows["even"]["losses"]))
-    ddp_diff = max(abs(a - b) for a, b in zip(ours["losses"], rows["ddp"]["losses"]))
-    print(f"max |loss ours - even| = {loss_diff:.3e}, max |loss ours - ddp| = {ddp_diff:.3e}")
     counts = " ".join(f"{m}_step_tensor_collectives={r['step_tensor_collectives']}" for m, r in rows.items())
+    ratios = " ".join(
+        f"iter_{m}_over_ours={rows[m]['iter_ms'] / ours['iter_ms']:.3f} "
+        f"step_{m}_over_ours={rows[m]['step_ms'] / ours['step_ms']:.3f}"
+        for m in ("even", "ddp")
+        if m in rows
+    )
+    print(f"RESULT W={world} {counts} {ratios}")
+
+
+PAPER_MODE = "matrix_owner_muon_role_greedy_custom_collective"
+
+
+def run_paper(a, world: int) -> dict:
+    """The paper's owner mode on our shape, by its own benchmark: its phase-timing row (ms)."""
+    launcher = os.path.join(os.path.dirname(os.path.abspath(__file__)), "paper_launcher.py")
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    argv = [
+        *("--device", "cpu", "--model", "transformer", "--unit", "block", "--layers", str(a.num_layers)),
+        *("--hidden", str(a.hidden_size), "--intermediate", str(4 * a.hidden_size), "--heads", str(a.heads)),
+        *("--seq-len", str(a.seq_length), "--batch-size", str(a.micro_batch_size), "--dtype", "float32"),
+        *("--optimizer", "muon", "--warmup-steps", str(a.warmup), "--steps", str(a.iters)),
+        *("--world-size", str(world), "--mode", PAPER_MODE, "--phase-timing"),
+    ]  # fmt: skip
+    env = dict(
+        os.environ,
+        MFSDP_PAPER_CHECKOUT=os.path.abspath(a.paper_checkout),
+        MFSDP_PAPER_NS_DTYPE=a.ns_dtype,
+        OMP_NUM_THREADS=str(a.threads),
+        PYTHONPATH=os.pathsep.join(p for p in (repo, os.environ.get("PYTHONPATH")) if p),
+    )
+    out = subprocess.run([sys.executable, launcher, *argv], env=env, capture_output=True, text=True, timeout=3600)
+    lines = out.stdout.splitlines()
+    header = next((line.split() for line in lines if line.split()[:1] == ["mode"] and "step_ms" in line), None)
+    row = next((line.split() for line in lines if line.startswith(PAPER_MODE)), None)
+    if out.returncode or header is None or row is None:
+        tail = f"{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
+        raise SystemExit(f"the paper's benchmark failed (exit {out.returncode}):\n{tail}")
+    if len(row) != len(header):  # the 'budget' column is blank in some modes
+        raise SystemExit(f"cannot read the paper's phase table row {row} under {header}")
+    return {h: float(v) for h, v in zip(header, row) if h.endswith("_ms")}
+
+
+def print_paper(world: int, paper: dict, ours: dict) -> None:
+    total, step, zero = paper["total_ms"], paper["step_ms"], paper["zero_ms"]
     print(
-        f"RESULT W={world} {counts} iter_even_over_ours={rows['even']['iter_ms'] / ours['iter_ms']:.3f} "
-        f"step_even_over_ours={rows['even']['step_ms'] / ours['step_ms']:.3f} "
-        f"iter_ddp_over_ours={rows['ddp']['iter_ms'] / ours['iter_ms']:.3f} loss_even_diff={loss_diff:.3e}"
+        f"paper owner mode: whole step {total:.1f} ms ({total - zero:.1f} without its zero_grad's gc.collect "
+        f"{zero:.1f}), optimizer step {step:.1f} ms"
+    )
+    print(
+        f"RESULT_PAPER W={world} step_paper_over_ours={step / ours['step_ms']:.3f} "
+        f"iter_paper_over_ours={total / ours['iter_ms']:.3f} "
+        f"iter_paper_without_gc_over_ours={(total - zero) / ours['iter_ms']:.3f}"
     )
 
 
@@ -191,6 +250,8 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=2, help="iterations left out of the medians")
     p.add_argument("--ns-dtype", choices=["fp32", "bf16"], default="fp32")
     p.add_argument("--threads", type=int, default=1, help="torch threads per worker")
+    p.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES), help="ours is always run")
+    p.add_argument("--paper-checkout", default=None, help="a songbingze/matrix-fsdp checkout: run its owner mode too")
     a = p.parse_args(argv)
     if a.quick:
         a.num_layers, a.hidden_size, a.heads, a.seq_length, a.vocab_size, a.iters, a.warmup = 2, 64, 4, 32, 256, 2, 1
@@ -207,10 +268,14 @@ def main(argv=None) -> None:
     for world in a.world_sizes:
         rows = {}
         for mode, extra in MODES.items():
+            if mode != "ours" and mode not in a.modes:
+                continue
             argv = [*flags, *extra, "--global-batch-size", str(a.micro_batch_size * world)]
             ranks = run_workers(world, _worker, argv, threads=a.threads, timeout=3600)
             rows[mode] = summarize(ranks, a.warmup)
         print_world(world, rows)
+        if a.paper_checkout:
+            print_paper(world, run_paper(a, world), rows["ours"])
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from ..compat.cpu import cuda_on_cpu
+from . import dist as torch_dist
 from . import files
 from .state import CHECKPOINT_VERSION
 
@@ -154,8 +155,6 @@ def write_model_checkpoint(root: str, args, tensors: dict, iteration: int = 0) -
     optimizer state (resume it with --finetune or --no-load-optim, as a converted Megatron-LM
     checkpoint): into a temporary folder, checksummed, renamed into place, then the tracker
     (files.py). Collective over the process group. Returns the iteration folder."""
-    from megatron.core import dist_checkpointing
-
     from ..models.gpt.hf import load_into_model
 
     args = plain_args(args)
@@ -177,8 +176,7 @@ def write_model_checkpoint(root: str, args, tensors: dict, iteration: int = 0) -
         "checkpoint_version": CHECKPOINT_VERSION,
         "iteration": iteration,
     }
-    with cuda_on_cpu():
-        dist_checkpointing.save(state, tmp)
+    torch_dist.save_state_dict(state, tmp)
     dist.barrier()
     if dist.get_rank() == 0:
         files.write_manifest(tmp, {"iteration": iteration, "format": "torch_dist"})
