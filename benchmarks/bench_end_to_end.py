@@ -28,7 +28,8 @@ benchmark (test/fsdp/bench_fsdp2_compare.py, owner mode matrix_owner_muon_role_g
 batch, warm-up and step counts, and prints its step and whole-step times beside ours. Its figures
 are means over steps of the slowest rank per phase (its own measurement), ours medians of the
 slowest rank; its model is a bare transformer stack with an MSE loss (no embedding or output
-layer), ours megatron-core's GPTModel with a --vocab-size embedding. Its whole step includes the
+layer), ours megatron-core's GPTModel with a --vocab-size embedding; it orthogonalizes the fused QKV
+matrix whole (give --muon-no-split-qkv for the same math here). Its whole step includes the
 gc.collect() its optimizer's zero_grad makes every step; the line without it is printed too.
 
     .venv/bin/python benchmarks/bench_end_to_end.py            # W = 2 and 4, 4 layers, hidden 512
@@ -64,6 +65,7 @@ def model_flags(a) -> list[str]:
         *("--optimizer", "muon", "--muon-momentum", "0.95", "--muon-use-nesterov"),
         *("--muon-coefficient-type", "simple", "--muon-ns-dtype", a.ns_dtype, "--log-interval", str(a.iters)),
         "--seed", "1234",
+        *(["--muon-no-split-qkv"] if a.muon_no_split_qkv else []),
     ]  # fmt: skip
 
 
@@ -252,6 +254,11 @@ def parse_args(argv=None):
     p.add_argument("--threads", type=int, default=1, help="torch threads per worker")
     p.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES), help="ours is always run")
     p.add_argument("--paper-checkout", default=None, help="a songbingze/matrix-fsdp checkout: run its owner mode too")
+    p.add_argument(
+        "--muon-no-split-qkv",
+        action="store_true",
+        help="orthogonalize the fused QKV matrix whole (the paper's math) instead of Q, K, V apart (Megatron's)",
+    )
     a = p.parse_args(argv)
     if a.quick:
         a.num_layers, a.hidden_size, a.heads, a.seq_length, a.vocab_size, a.iters, a.warmup = 2, 64, 4, 32, 256, 2, 1
