@@ -41,7 +41,8 @@ def test_dp_invariance_and_plain_data_parallel_agree(tmp_path):
 
 
 # TP2 x PP2 x DP2 with the distributed TP mode: the save run of test_checkpoint_resume.py, checked
-# against 1 x 1 x 1 there; TP2 x DP2 distributed without sequence parallelism: tests/distributed.
+# against 1 x 1 x 1 there (the duplicated TP mode differs from it only within TP: TP2 x DP2 here);
+# TP2 x DP2 distributed without sequence parallelism: tests/distributed.
 LAYOUTS = {
     "tp2 x dp2 duplicated": (4, ["--tensor-model-parallel-size", "2", "--muon-tp-mode", "duplicated"]),
     "tp2 x dp2 distributed sequence-parallel": (
@@ -49,10 +50,6 @@ LAYOUTS = {
         ["--tensor-model-parallel-size", "2", "--muon-tp-mode", "distributed", "--sequence-parallel"],
     ),
     "pp2 x dp2": (4, ["--pipeline-model-parallel-size", "2"]),
-    "tp2 x pp2 x dp2 duplicated": (
-        8,
-        ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--muon-tp-mode", "duplicated"],
-    ),
     "replicate2 x shard2": (4, ["--mfsdp-replicate-size", "2"]),
 }
 
