@@ -64,7 +64,7 @@ def model_flags(a) -> list[str]:
         *("--eval-interval", str(10 * a.iters), "--hidden-dropout", "0", "--attention-dropout", "0"),
         *("--optimizer", "muon", "--muon-momentum", "0.95", "--muon-use-nesterov"),
         *("--muon-coefficient-type", "simple", "--muon-ns-dtype", a.ns_dtype, "--log-interval", str(a.iters)),
-        "--seed", "1234",
+        *("--muon-ns-algorithm", a.ns_algorithm, "--seed", "1234"),
         *(["--muon-no-split-qkv"] if a.muon_no_split_qkv else []),
     ]  # fmt: skip
 
@@ -251,6 +251,12 @@ def parse_args(argv=None):
     p.add_argument("--iters", type=int, default=6, help="timed iterations (one more runs under the memory profiler)")
     p.add_argument("--warmup", type=int, default=2, help="iterations left out of the medians")
     p.add_argument("--ns-dtype", choices=["fp32", "bf16"], default="fp32")
+    p.add_argument(
+        "--ns-algorithm",
+        choices=["auto", "standard", "gram"],
+        default="auto",
+        help="ours and even (the paper's code runs torch's standard iteration)",
+    )
     p.add_argument("--threads", type=int, default=1, help="torch threads per worker")
     p.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES), help="ours is always run")
     p.add_argument("--paper-checkout", default=None, help="a songbingze/matrix-fsdp checkout: run its owner mode too")

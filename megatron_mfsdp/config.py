@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from megatron.core.optimizer import OptimizerConfig
 
-from .optim.muon import NS_COEFFICIENTS, NS_DTYPES, SCALE_MODES
+from .optim.muon import NS_ALGORITHMS, NS_COEFFICIENTS, NS_DTYPES, SCALE_MODES
 from .optim.muon_tp import TP_MODES
 from .placement.planner import POLICIES
 from .placement.rules import LAYOUTS
@@ -117,6 +117,11 @@ class MatrixFSDPOptimizerConfig(OptimizerConfig):
     muon_ns_dtype: str = field(default="bf16", metadata={"choices": tuple(NS_DTYPES)})
     """dtype of the Newton-Schulz iterations (megatron-core's fp32_matmul_prec 'medium' is bf16)."""
 
+    muon_ns_algorithm: str = field(default="auto", metadata={"choices": NS_ALGORITHMS})
+    """Newton-Schulz algorithm (ours): standard iterates X as torch.optim.Muon does; gram iterates
+    the m x m Gram matrix (same polynomial, fewer flops on a matrix with one side > 1.5x the
+    other); auto picks gram per matrix in fp32 where it needs fewer flops (standard in bf16)."""
+
     def __post_init__(self):
         super().__post_init__()
         from .optim import registry
@@ -124,6 +129,7 @@ class MatrixFSDPOptimizerConfig(OptimizerConfig):
 
         _check_choice(self.optimizer, registry.optimizer_choices(), "--optimizer", "optimizer")
         _check_choice(self.muon_ns_dtype, tuple(NS_DTYPES), "--muon-ns-dtype", "Newton-Schulz dtype")
+        _check_choice(self.muon_ns_algorithm, NS_ALGORITHMS, "--muon-ns-algorithm", "Newton-Schulz algorithm")
         _check_choice(self.muon_scale_mode, SCALE_MODES, "--muon-scale-mode", "Muon scale mode")
         _check_choice(self.muon_tp_mode, TP_MODES, "--muon-tp-mode", "Muon TP mode")
         ns_coefficients_for(self.muon_coefficient_type, self.muon_num_ns_steps)

@@ -99,12 +99,14 @@ def tp_muon_step_(
     scale_mode: str,
     extra_scale_factor: float,
     qkv_split_shapes: Sequence[int] | None = None,
+    ns_algorithm: str = "standard",
 ) -> None:
     """One Muon step on this rank's TP shard (see the module docstring for the modes)."""
     kwargs = dict(
         ns_steps=ns_steps,
         coefficient_type=coefficient_type,
         ns_dtype=ns_dtype,
+        ns_algorithm=ns_algorithm,
         scale_mode=scale_mode,
         extra_scale_factor=extra_scale_factor,
         qkv_split_shapes=qkv_split_shapes,
@@ -148,8 +150,11 @@ def _distributed_update(
     scale_mode: str,
     extra_scale_factor: float,
     qkv_split_shapes: Sequence[int] | None,
+    ns_algorithm: str = "standard",
 ) -> Tensor:
-    """Scaled full-matrix Newton-Schulz of each block (Q, K, V or the whole), shards in place."""
+    """Scaled full-matrix Newton-Schulz of each block (Q, K, V or the whole), shards in place.
+    Always the standard iteration (``ns_algorithm`` is not used): its all-reduced quantity is
+    the Gram matrix of the sharded X, which a Gram-space iteration would need only once."""
     blocks = split_qkv(direction, qkv_split_shapes) if qkv_split_shapes is not None else [direction]
     parts = []
     for block in blocks:

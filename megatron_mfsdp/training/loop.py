@@ -142,7 +142,8 @@ def _set_up(args):
     logging.print_rank0(
         f"> {mode}: TP={args.tensor_model_parallel_size} x PP={args.pipeline_model_parallel_size} x "
         f"DP={args.data_parallel_size}, optimizer={args.optimizer}, muon: {args.muon_coefficient_type} x "
-        f"{args.muon_num_ns_steps} Newton-Schulz steps in {args.muon_ns_dtype}, TP mode {args.muon_tp_mode}, "
+        f"{args.muon_num_ns_steps} Newton-Schulz steps in {args.muon_ns_dtype} ({args.muon_ns_algorithm}), "
+        f"TP mode {args.muon_tp_mode}, "
         f"micro-batches={args.num_microbatches}, padded vocab={args.padded_vocab_size}"
         + (_mfsdp_settings(args, chunks[0]) if mode == "matrix_fsdp" else "")
     )

@@ -20,8 +20,9 @@ from megatron_mfsdp.optim.rule import OwnedPiece, StepContext
 SHAPES = [((64, 64), None), ((64, 128), None), ((128, 64), None), ((128, 64), (32, 16, 16)), ((64, 64), None)]
 
 
-def _config(ns_dtype: str, nesterov: bool):
+def _config(ns_dtype: str, nesterov: bool, algorithm: str = "standard"):
     return SimpleNamespace(
+        muon_ns_algorithm=algorithm,
         muon_momentum=0.95,
         muon_use_nesterov=nesterov,
         muon_num_ns_steps=5,
@@ -59,12 +60,14 @@ def _max_difference(a, b):
     return max((x - y).abs().max().item() for x, y in zip(_tensors(a), _tensors(b)))
 
 
-@pytest.mark.parametrize("ns_dtype,nesterov", [("fp32", True), ("bf16", False)])
-def test_batched_muon_step_matches_the_per_matrix_step(ns_dtype, nesterov, monkeypatch):
+@pytest.mark.parametrize(
+    "ns_dtype,nesterov,algorithm", [("fp32", True, "standard"), ("bf16", False, "standard"), ("fp32", False, "gram")]
+)
+def test_batched_muon_step_matches_the_per_matrix_step(ns_dtype, nesterov, algorithm, monkeypatch):
     monkeypatch.setattr(muon, "BATCH_ELEMENTS", 3 * 64 * 64)  # also split a shape over two stacks
     batched, looped, start = (_pieces(0, SHAPES * 2, ("momentum_buffer",)) for _ in range(3))
     for step in (1, 2):
-        ctx = StepContext(_config(ns_dtype, nesterov), step, lr=0.02, weight_decay=0.1)
+        ctx = StepContext(_config(ns_dtype, nesterov, algorithm), step, lr=0.02, weight_decay=0.1)
         muon.step_batched(batched, ctx)
         muon.step_per_matrix(looped, ctx)
     assert _max_difference(batched, looped) <= TOLERANCE[ns_dtype]

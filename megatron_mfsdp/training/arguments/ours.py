@@ -70,6 +70,15 @@ def add_muon_args(p: argparse.ArgumentParser) -> None:
         help="ours: the Newton-Schulz dtype outright; default from --muon-fp32-matmul-prec when given, "
         "else bf16 on CUDA and on CPUs with fast bf16 (AMX/AVX512-BF16), fp32 on other CPUs",
     )
+    g.add_argument(
+        "--muon-ns-algorithm",
+        default="auto",
+        choices=config_choices(O, "muon_ns_algorithm"),
+        help="ours: standard iterates X (torch.optim.Muon's op order); gram iterates the small Gram "
+        "matrix, the same polynomial in fewer flops when one side is > 1.5x the other (less stable in bf16); "
+        "auto: gram per matrix in fp32 where it needs fewer flops, standard in bf16 and with "
+        "--muon-tp-mode distributed",
+    )
     _add_deprecated_muon_args(g)
 
 
