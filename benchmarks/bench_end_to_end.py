@@ -42,6 +42,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import shlex
 import statistics
 import subprocess
 import sys
@@ -66,6 +67,7 @@ def model_flags(a) -> list[str]:
         *("--muon-coefficient-type", "simple", "--muon-ns-dtype", a.ns_dtype, "--log-interval", str(a.iters)),
         *("--muon-ns-algorithm", a.ns_algorithm, "--seed", "1234"),
         *(["--muon-no-split-qkv"] if a.muon_no_split_qkv else []),
+        *shlex.split(a.flags),
     ]  # fmt: skip
 
 
@@ -258,6 +260,7 @@ def parse_args(argv=None):
         help="ours and even (the paper's code runs torch's standard iteration)",
     )
     p.add_argument("--threads", type=int, default=1, help="torch threads per worker")
+    p.add_argument("--flags", default="", help="more pretrain_gpt.py flags for ours, even and ddp (one string)")
     p.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES), help="ours is always run")
     p.add_argument("--paper-checkout", default=None, help="a songbingze/matrix-fsdp checkout: run its owner mode too")
     p.add_argument(

@@ -32,7 +32,7 @@ from torch.distributed import distributed_c10d as c10d
 
 from ..groups import ProcessGroups
 from ..placement.layout import UnitLayout
-from ..placement.verify import GATHER, REDUCE, check_signature
+from ..placement.verify import GATHER, REDUCE, start_signature
 
 PHASES = ("forward", "backward", "reduce", "other")
 
@@ -45,10 +45,13 @@ def as_bytes(t: torch.Tensor) -> torch.Tensor:
 class PendingGather:
     """A unit's full buffer being filled from every owner's segment."""
 
-    def __init__(self, full: torch.Tensor, works: list, finish=None):
-        self.full, self._works, self._finish = full, works, finish
+    def __init__(self, full: torch.Tensor, works: list, finish=None, check=None):
+        self.full, self._works, self._finish, self._check = full, works, finish, check
 
     def wait(self) -> torch.Tensor:
+        if self._check is not None:  # before the data: a mismatched collective raises, not hangs
+            self._check.verify()
+            self._check = None
         for work in self._works:
             work.wait()
         self._works = []
@@ -61,11 +64,15 @@ class PendingGather:
 class PendingReduce:
     """The contributions of every rank to this rank's segment, summed on ``wait()``."""
 
-    def __init__(self, contributions: list[torch.Tensor], replica_group, works=(), keep=None):
+    def __init__(self, contributions: list[torch.Tensor], replica_group, works=(), keep=None, check=None):
         self._contributions, self._replica = contributions, replica_group
         self._works, self._keep = list(works), keep  # keep: the send buffer, alive until the wire is done
+        self._check = check
 
     def wait(self) -> torch.Tensor:
+        if self._check is not None:
+            self._check.verify()
+            self._check = None
         for work in self._works:
             work.wait()
         self._works, self._keep = [], None
@@ -121,8 +128,7 @@ class SegmentComm:
     # ----------------------------------------------------------------- gather
     def start_gather(self, layout: UnitLayout, segment: torch.Tensor, phase: str = "other") -> PendingGather:
         """Start filling the unit's whole flat buffer from every owner's segment."""
-        if self.verify:
-            check_signature(self.group, layout.index, GATHER, layout.numel, self.device)
+        check = self._signature(layout, GATHER)
         full = torch.empty(layout.numel, dtype=segment.dtype, device=segment.device)
         parts = [
             [full[a:b] for a, b in (layout.matrix_range(r), layout.tail_range(r))] for r in range(self.world)
@@ -133,16 +139,20 @@ class SegmentComm:
         if self.world == 1:
             return PendingGather(full, [], lambda: _copy_views(parts[0], mine))
         if not self.coalesce:
-            return PendingGather(full, self._broadcasts(parts, mine))
-        return self.start_gather_views(mine, parts, full)
+            return PendingGather(full, self._broadcasts(parts, mine), check=check)
+        return self.start_gather_views(mine, parts, full, check)
 
-    def start_gather_views(self, mine: list[torch.Tensor], parts: list[list[torch.Tensor]], result=None):
+    def _signature(self, layout: UnitLayout, op: int):
+        """The unit's signature all-gather, started before its collective (None without checks)."""
+        return start_signature(self.group, layout.index, op, layout.numel, self.device) if self.verify else None
+
+    def start_gather_views(self, mine: list[torch.Tensor], parts: list[list[torch.Tensor]], result=None, check=None):
         """Every rank's ``mine`` (flat tensors of any dtype) lands in ``parts[rank]`` on every rank, as
         bytes, in one collective (one NCCL group): the dtype-agnostic core of the gather. ``parts[r]``
         are this rank's destination views for rank r's pieces (``parts[self.rank]`` matches ``mine``)."""
         _copy_views(parts[self.rank], mine)
         if self.p2p:
-            return PendingGather(result, self._p2p_gather(mine, parts))
+            return PendingGather(result, self._p2p_gather(mine, parts), check=check)
         sent = torch.cat([as_bytes(t) for t in mine]) if mine else torch.empty(0, dtype=torch.uint8)
         recv_sizes = [0 if r == self.rank else sum(as_bytes(v).numel() for v in parts[r]) for r in range(self.world)]
         send_sizes = [0 if r == self.rank else sent.numel() for r in range(self.world)]
@@ -164,7 +174,7 @@ class SegmentComm:
                     as_bytes(view).copy_(staging[offset : offset + n])
                     offset += n
 
-        return PendingGather(result, [work], unpack)
+        return PendingGather(result, [work], unpack, check)
 
     def _p2p_gather(self, mine, parts) -> list:
         ops = []
@@ -198,17 +208,17 @@ class SegmentComm:
                 out[at : at + numel].copy_(grad.reshape(-1)[param_offset : param_offset + numel])
         return out.mul_(scale)
 
-    def start_reduce(self, layout: UnitLayout, packed: torch.Tensor, async_op: bool = False) -> PendingReduce:
+    def start_reduce(self, layout: UnitLayout, packed: torch.Tensor) -> PendingReduce:
         """Start summing ``packed`` (this rank's contribution from ``pack_grads``) over the group;
-        ``wait()`` returns this rank's segment of the sum, added in rank order."""
-        if self.verify:
-            check_signature(self.group, layout.index, REDUCE, layout.numel, self.device)
+        ``wait()`` returns this rank's segment of the sum, added in rank order. Always started
+        asynchronously, so its signature check is verified in ``wait()`` without a second sync."""
+        check = self._signature(layout, REDUCE)
         mine = layout.segment_numel(self.rank)
         self.traffic["reduce"] += (layout.numel - mine) * packed.element_size()
         if self.world == 1:
             return PendingReduce([packed.view(1, mine)], self.replica)
         if not self.coalesce:
-            return self._reduce_per_region(layout, packed, async_op)
+            return self._reduce_per_region(layout, packed, check)
         received = torch.empty(self.world * mine, dtype=packed.dtype, device=packed.device)
         work = dist.all_to_all_single(
             received,
@@ -216,11 +226,11 @@ class SegmentComm:
             output_split_sizes=[mine] * self.world,
             input_split_sizes=self.route(layout).sizes,
             group=self.group,
-            async_op=async_op,
+            async_op=True,
         )
-        return PendingReduce([received.view(self.world, mine)], self.replica, [work] if async_op else [], packed)
+        return PendingReduce([received.view(self.world, mine)], self.replica, [work], packed, check)
 
-    def _reduce_per_region(self, layout: UnitLayout, packed: torch.Tensor, async_op: bool) -> PendingReduce:
+    def _reduce_per_region(self, layout: UnitLayout, packed: torch.Tensor, check) -> PendingReduce:
         regions, works = [], []
         for region, bounds, (lo, hi) in (
             (packed[: layout.matrix_numel], layout.matrix_bounds, layout.matrix_range(self.rank)),
@@ -234,11 +244,11 @@ class SegmentComm:
                 output_split_sizes=[mine] * self.world,
                 input_split_sizes=[bounds[r + 1] - bounds[r] for r in range(self.world)],
                 group=self.group,
-                async_op=async_op,
+                async_op=True,
             )
-            works += [work] if async_op else []
+            works.append(work)
             regions.append(received.view(self.world, mine))
-        return PendingReduce(regions, self.replica, works, packed)
+        return PendingReduce(regions, self.replica, works, packed, check)
 
 
 def _copy_views(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> None:

@@ -308,7 +308,7 @@ class MatrixFSDP(torch.nn.Module):
         for _, p in state.params:
             p.grad = None
         overlap = self.ddp_config.overlap_grad_reduce
-        pending = self.comm.start_reduce(layout, packed, async_op=overlap)
+        pending = self.comm.start_reduce(layout, packed)
         state.grads_seen = 0
         state.held_for_backward = False
         self._release(state)

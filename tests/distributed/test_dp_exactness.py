@@ -2,6 +2,8 @@
 exactness against a single-process reference, zero tensor collectives in the
 step, and bytes per rank."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -158,6 +160,20 @@ def _mismatch_worker(rank, world_size):
         check_signature(dist.group.WORLD, unit_index=rank, op=GATHER, numel=10)
     except RuntimeError as e:
         errors["collective"] = str(e)
+    # The check started with a collective is verified in wait(), before its data is used: rank 1
+    # gathers a unit of the same sizes under another index, so the data moves and only the check
+    # can tell. The next pair matches and must not raise.
+    config, model = tiny_gpt()
+    ddp = MatrixFSDP(config, MatrixFSDPConfig(), model)
+    state = ddp.units[0]
+    layout = dataclasses.replace(state.layout, index=state.layout.index + rank)
+    pending = ddp.comm.start_gather(layout, state.param_segment)
+    try:
+        pending.wait()
+    except RuntimeError as e:
+        errors["deferred"] = str(e)
+    reduced = ddp.comm.start_reduce(state.layout, ddp.comm.pack_grads(state.layout, {}, torch.float32, 1.0)).wait()
+    errors["matching_reduce_ok"] = bool(torch.equal(reduced, torch.zeros_like(reduced)))
     return errors
 
 
@@ -165,6 +181,8 @@ def test_ranks_with_different_plans_or_collectives_raise_instead_of_hanging():
     for errors in run_workers(2, _mismatch_worker):
         assert "different placement plans" in errors["plan"]
         assert "collective mismatch" in errors["collective"] and "gather unit 1" in errors["collective"]
+        assert "collective mismatch" in errors["deferred"] and "rank 1: gather unit 1" in errors["deferred"]
+        assert errors["matching_reduce_ok"]
 
 
 def _fp16_worker(rank, world_size):
