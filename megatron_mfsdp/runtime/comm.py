@@ -16,6 +16,9 @@ unit costs one collective to gather and one to reduce:
 ``coalesce=False`` keeps the per-owner path (one broadcast per non-empty owner part, one
 all-to-all per region) for comparison (benchmarks/bench_comm.py).
 
+With checks on, each collective goes with a small signature all-gather (placement/verify.py),
+verified in ``wait()`` before the data is read.
+
 The owner sums the W contributions itself, in rank order and in fp32, so the result does
 not depend on the backend's reduction tree or the wire dtype: the same sum a single
 process computes. With hybrid sharding the reduced segment is then all-reduced over the
