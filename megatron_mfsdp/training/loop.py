@@ -142,7 +142,7 @@ def _set_up(args):
     logging.print_rank0(
         f"> {mode}: TP={args.tensor_model_parallel_size} x PP={args.pipeline_model_parallel_size} x "
         f"DP={args.data_parallel_size}, optimizer={args.optimizer}, muon: {args.muon_coefficient_type} x "
-        f"{args.muon_num_ns_steps} Newton-Schulz steps in {args.muon_ns_dtype} ({args.muon_ns_algorithm}), "
+        f"{args.muon_num_ns_steps} Newton-Schulz steps in {args.muon_ns_dtype} ({_ns_algorithm(args)}), "
         f"TP mode {args.muon_tp_mode}, "
         f"micro-batches={args.num_microbatches}, padded vocab={args.padded_vocab_size}"
         + (_mfsdp_settings(args, chunks[0]) if mode == "matrix_fsdp" else "")
@@ -153,6 +153,13 @@ def _set_up(args):
             logging.print_rank0(f"> {chunk.traffic_line(args.num_microbatches)}")
     run = _Run(args, groups, chunks, optimizer, scheduler, owns)
     return run, datasets, start
+
+
+def _ns_algorithm(args) -> str:
+    """--muon-ns-algorithm as it acts: auto is gram (where it pays) only in fp32 (optim/muon.py)."""
+    if args.muon_ns_algorithm != "auto":
+        return args.muon_ns_algorithm
+    return "auto: gram where it needs fewer flops" if args.muon_ns_dtype == "fp32" else "auto: standard"
 
 
 def _mfsdp_settings(args, chunk) -> str:
