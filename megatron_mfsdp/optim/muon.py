@@ -132,19 +132,29 @@ def newton_schulz(
     if grad.dim() != 2:
         raise ValueError(f"newton_schulz expects a 2D matrix, got shape {tuple(grad.shape)}")
     schedule = ns_coefficients_for(coefficient_type, steps)
-    x = grad.float().to(ns_dtype)
-    transposed = grad.size(0) > grad.size(1)
-    if transposed:
-        x = x.T
-    # Frobenius norm >= spectral norm, so all singular values end up in [0, 1].
-    x = x.div(x.norm().clamp(min=eps))
+    x, transposed = _wide_unit(grad, ns_dtype, eps)
     for a, b, c in schedule:
         gram = x @ x.T
         poly = torch.addmm(gram, gram, gram, beta=b, alpha=c)  # b A + c A A
         x = torch.addmm(x, poly, x, beta=a)  # a X + poly X
+    return _restored(x, transposed)
+
+
+def _wide_unit(grad: Tensor, ns_dtype: torch.dtype, eps: float) -> tuple[Tensor, bool]:
+    """The start every Newton-Schulz variant shares, in torch's op order: cast to ``ns_dtype``,
+    transpose so that rows <= cols, divide by the Frobenius norm (per matrix of a stack) clamped
+    at ``eps``. Frobenius >= spectral norm, so all singular values end up in [0, 1]."""
+    x = grad.float().to(ns_dtype)
+    transposed = grad.size(-2) > grad.size(-1)
     if transposed:
-        x = x.T
-    return x.float().contiguous()
+        x = x.mT
+    norm = x.norm() if x.dim() == 2 else torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True)
+    return x.div(norm.clamp(min=eps)), transposed
+
+
+def _restored(x: Tensor, transposed: bool) -> Tensor:
+    """Undo :func:`_wide_unit`'s transpose; a contiguous fp32 result."""
+    return (x.mT if transposed else x).float().contiguous()
 
 
 def _gram_segment(x: Tensor, coefficients: Sequence[Coefficients]) -> Tensor:
@@ -188,17 +198,11 @@ def newton_schulz_gram(
     if grad.dim() not in (2, 3):
         raise ValueError(f"newton_schulz_gram expects a matrix or a stack, got shape {tuple(grad.shape)}")
     schedule = ns_coefficients_for(coefficient_type, steps)
-    x = grad.float().to(ns_dtype)
-    transposed = grad.size(-2) > grad.size(-1)
-    if transposed:
-        x = x.mT
-    x = x.div(torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True).clamp(min=eps))
+    x, transposed = _wide_unit(grad, ns_dtype, eps)
     every = GRAM_RESTART_EVERY[ns_dtype]
     for start in range(0, len(schedule), every):
         x = _gram_segment(x, schedule[start : start + every])
-    if transposed:
-        x = x.mT
-    return x.float().contiguous()
+    return _restored(x, transposed)
 
 
 def gram_pays(shape: Sequence[int], steps: int, ns_dtype: torch.dtype = torch.float32) -> bool:
@@ -211,13 +215,19 @@ def gram_pays(shape: Sequence[int], steps: int, ns_dtype: torch.dtype = torch.fl
     return gram < standard
 
 
+def auto_may_use_gram(ns_dtype: torch.dtype) -> bool:
+    """Whether --muon-ns-algorithm auto uses gram (where it pays) in this dtype: fp32 only (see
+    :data:`NS_ALGORITHMS` for why not bf16)."""
+    return ns_dtype == torch.float32
+
+
 def orthogonalize(
     grad: Tensor, steps: int, coefficient_type: str, ns_dtype: torch.dtype, algorithm: str = "standard"
 ) -> Tensor:
     """Newton-Schulz of a matrix (or a same-shape stack) by ``algorithm`` (:data:`NS_ALGORITHMS`)."""
     if algorithm not in NS_ALGORITHMS:
         raise ValueError(f"unknown --muon-ns-algorithm {algorithm!r}; choose one of {', '.join(NS_ALGORITHMS)}")
-    if algorithm == "gram" or (algorithm == "auto" and ns_dtype == torch.float32 and gram_pays(grad.shape, steps)):
+    if algorithm == "gram" or (algorithm == "auto" and auto_may_use_gram(ns_dtype) and gram_pays(grad.shape, steps)):
         return newton_schulz_gram(grad, steps, coefficient_type, ns_dtype)
     if grad.dim() == 3:
         return newton_schulz_batched(grad, steps, coefficient_type, ns_dtype)
@@ -238,18 +248,12 @@ def newton_schulz_batched(
     if grads.dim() != 3:
         raise ValueError(f"newton_schulz_batched expects a (batch, rows, cols) stack, got {tuple(grads.shape)}")
     schedule = ns_coefficients_for(coefficient_type, steps)
-    x = grads.float().to(ns_dtype)
-    transposed = grads.size(1) > grads.size(2)
-    if transposed:
-        x = x.mT
-    x = x.div(torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True).clamp(min=eps))
+    x, transposed = _wide_unit(grads, ns_dtype, eps)
     for a, b, c in schedule:
         gram = x @ x.mT
         poly = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
         x = torch.baddbmm(x, poly, x, beta=a)
-    if transposed:
-        x = x.mT
-    return x.float().contiguous()
+    return _restored(x, transposed)
 
 
 BATCH_ELEMENTS = 1 << 26

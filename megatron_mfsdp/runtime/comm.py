@@ -53,8 +53,7 @@ class PendingGather:
 
     def wait(self) -> torch.Tensor:
         if self._check is not None:  # before the data: a mismatched collective raises, not hangs
-            self._check.verify()
-            self._check = None
+            self._check.verify()  # idempotent: a second wait() does not wait again
         for work in self._works:
             work.wait()
         self._works = []
@@ -75,7 +74,6 @@ class PendingReduce:
     def wait(self) -> torch.Tensor:
         if self._check is not None:
             self._check.verify()
-            self._check = None
         for work in self._works:
             work.wait()
         self._works, self._keep = [], None

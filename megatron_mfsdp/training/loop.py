@@ -156,10 +156,13 @@ def _set_up(args):
 
 
 def _ns_algorithm(args) -> str:
-    """--muon-ns-algorithm as it acts: auto is gram (where it pays) only in fp32 (optim/muon.py)."""
+    """--muon-ns-algorithm as it acts in this run (optim/muon.py auto_may_use_gram)."""
+    from ..optim.muon import NS_DTYPES, auto_may_use_gram
+
     if args.muon_ns_algorithm != "auto":
         return args.muon_ns_algorithm
-    return "auto: gram where it needs fewer flops" if args.muon_ns_dtype == "fp32" else "auto: standard"
+    gram = auto_may_use_gram(NS_DTYPES[args.muon_ns_dtype])
+    return "auto: gram where it needs fewer flops" if gram else "auto: standard"
 
 
 def _mfsdp_settings(args, chunk) -> str:

@@ -79,14 +79,24 @@ def test_batched_muon_step_matches_the_per_matrix_step(ns_dtype, nesterov, algor
     assert step_size > 20 * TOLERANCE[ns_dtype]  # it did step, by more than the tolerance
 
 
-def test_newton_schulz_batched_matches_each_matrix():
-    x = torch.randn(3, 96, 40)
-    out = muon.newton_schulz_batched(x, 5, "simple", torch.float32)
-    each = torch.stack([muon.newton_schulz(x[i], 5, "simple", torch.float32) for i in range(3)])
-    torch.testing.assert_close(out, each, rtol=0, atol=1e-5)
-    assert (out[0] - each[1]).abs().max() > 1e-2  # the entries are different matrices
+@pytest.mark.parametrize(
+    "stacked,each,shape,coefficients",
+    [
+        (muon.newton_schulz_batched, muon.newton_schulz, (3, 96, 40), "simple"),
+        (muon.newton_schulz_gram, muon.newton_schulz_gram, (3, 40, 96), "quintic"),
+    ],
+)
+def test_stacked_newton_schulz_matches_each_matrix(stacked, each, shape, coefficients):
+    x = torch.randn(shape)
+    out = stacked(x, 5, coefficients, torch.float32)
+    one_by_one = torch.stack([each(x[i], 5, coefficients, torch.float32) for i in range(shape[0])])
+    torch.testing.assert_close(out, one_by_one, rtol=0, atol=1e-5)
+    assert (out[0] - one_by_one[1]).abs().max() > 1e-2  # the entries are different matrices
+
+
+def test_newton_schulz_batched_needs_a_stack():
     with pytest.raises(ValueError, match="stack"):
-        muon.newton_schulz_batched(x[0])
+        muon.newton_schulz_batched(torch.randn(96, 40))
 
 
 def test_foreach_adamw_is_bitwise_the_per_piece_loop():
