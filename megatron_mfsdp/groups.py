@@ -109,7 +109,9 @@ _LAYOUT: dict = {}
 def initialize_model_parallel(tp: int = 1, pp: int = 1, vp: int | None = None, **kwargs) -> None:
     """megatron's ``initialize_model_parallel``, once per layout: a process that already holds
     the same layout keeps its groups (megatron refuses a second call, and every new gloo group
-    adds polling threads); a different layout replaces them."""
+    adds polling threads); a different layout replaces them, and every group but the world is
+    destroyed (megatron's ``destroy_model_parallel`` only forgets its groups, whose gloo threads
+    would go on polling: 51 per rank for TP2 x PP2 x DP2)."""
     from megatron.core import parallel_state as ps
 
     layout = dict(tp=tp, pp=pp, vp=vp, **kwargs)
@@ -117,9 +119,20 @@ def initialize_model_parallel(tp: int = 1, pp: int = 1, vp: int | None = None, *
         if layout == _LAYOUT:
             return
         ps.destroy_model_parallel()
+        forget_layout()
     ps.initialize_model_parallel(tp, pp, virtual_pipeline_model_parallel_size=vp, **kwargs)
-    _LAYOUT.clear()
     _LAYOUT.update(layout)
+
+
+def forget_layout() -> None:
+    """Destroy every process group of this process except the default one (a local call on
+    gloo), after megatron's ``destroy_model_parallel`` has dropped its references."""
+    from torch.distributed import distributed_c10d as c10d
+
+    world = c10d._get_default_group()
+    for group in [g for g in c10d._world.pg_map if g is not world]:
+        dist.destroy_process_group(group)
+    _LAYOUT.clear()
 
 
 def split_data_parallel_ranks(dp_ranks: list[int], replicate_size: int) -> tuple[list[list[int]], list[list[int]]]:

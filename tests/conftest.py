@@ -26,8 +26,17 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(autouse=True, scope="module")
+def _release_worker_groups():
+    """Pooled gloo workers live for the session (starting them costs seconds per rank); after
+    each test module their groups but the world are destroyed, since idle gloo groups poll."""
+    yield
+    from megatron_mfsdp.testing.workers import release_pool_groups
+
+    release_pool_groups()
+
+
+@pytest.fixture(autouse=True, scope="session")
 def _close_worker_pools():
-    """Pooled gloo workers live for one test module: idle gloo groups still poll."""
     yield
     from megatron_mfsdp.testing.workers import close_pools
 
