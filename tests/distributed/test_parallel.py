@@ -157,3 +157,34 @@ def test_memory_per_rank_falls_with_dp_shard_size_at_tp2():
     one, two = max(r["bytes"] for r in tp2_dp1), max(r["bytes"] for r in tp2_dp2)
     print(f"\nTP=2: bytes per rank DP=1 {one:,}, DP=2 {two:,} (ratio {two / one:.3f})")
     assert two <= 0.55 * one + 64 * 128 * 4 * 3  # half, plus at most one matrix of imbalance
+
+
+def _relayout_worker(rank, world_size):
+    import os
+
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    from megatron_mfsdp.groups import initialize_model_parallel
+
+    def threads():
+        return len(os.listdir("/proc/self/task"))
+
+    counts = []
+    for tp in (2, 1, 2, 1, 2, 1):
+        initialize_model_parallel(tp, 1, create_gloo_process_groups=False)
+        dist.barrier()
+        counts.append((threads(), len(c10d._world.pg_map)))
+    return counts
+
+
+@pytest.mark.skipif(not __import__("os").path.isdir("/proc/self/task"), reason="counts threads in /proc")
+def test_a_layout_change_destroys_the_old_groups():
+    """megatron's destroy_model_parallel only forgets its groups; each gloo group keeps threads
+    that poll. groups.initialize_model_parallel destroys them: six layout changes leave the
+    group count where the first two layouts put it, and the threads within a few of it (without
+    the destruction each TP2 layout adds about 50 threads per rank)."""
+    for counts in run_workers(2, _relayout_worker):
+        print(f"\n(threads, groups) after each of six layouts: {counts}")
+        assert [g for _, g in counts[2:]] == [g for _, g in counts[:2]] * 2, counts
+        assert max(t for t, _ in counts[2:]) <= max(t for t, _ in counts[:2]) + 5, counts
