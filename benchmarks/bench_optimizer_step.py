@@ -45,7 +45,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from megatron_mfsdp.optim.muon import NS_COEFFICIENTS, NS_DTYPES, newton_schulz, scaled_update
+from megatron_mfsdp.optim.muon import NS_COEFFICIENTS, NS_DTYPES, NewtonSchulzCost, newton_schulz, scaled_update
 from megatron_mfsdp.placement import POLICIES
 from megatron_mfsdp.testing import count_collectives, run_workers
 from megatron_mfsdp.testing.baselines import MuonHyper, ReconstructionMuon, ReplicatedMuon
@@ -89,7 +89,10 @@ def _worker(rank, world, a):
         num_query_groups=a["num_query_groups"],
     )
     model = build_gpt_model(config, vocab_size=a["vocab_size"], max_sequence_length=a["seq_length"])
-    ddp = MatrixFSDP(config, MatrixFSDPConfig(planner=a["planner"], muon_split_qkv=a["split_qkv"]), model)
+    ns = NewtonSchulzCost(a["ns_steps"], a["ns_dtype"], "auto")
+    ddp = MatrixFSDP(
+        config, MatrixFSDPConfig(planner=a["planner"], muon_split_qkv=a["split_qkv"], newton_schulz=ns), model
+    )
     opt_cfg = MatrixFSDPOptimizerConfig(
         optimizer="muon",
         muon_momentum=0.95,

@@ -11,6 +11,11 @@ same pigeonhole for k + 1 items on a rank), per kind (NS cost, elements).
     .venv/bin/python benchmarks/bench_planner.py
     .venv/bin/python benchmarks/bench_planner.py --split-qkv-owners all
 
+Matrices are costed as the planner costs them at start-up: the multiply-adds of the Newton-Schulz
+run the flags give (5 steps in bf16, standard iteration, unless --ns-flags says otherwise, e.g.
+"--muon-ns-dtype fp32" for the Gram-space kernel where it pays). --cost leading-term re-costs them
+by m*n*min(m, n) per block, the leading term the planner used before (issue 11's figures).
+
 --split-qkv-owners plans the Q, K and V blocks of each linear_qkv as items of their own
 (placement/blocks.py), in the planner's model only: the runtime does not place them apart
 yet, and nothing here reaches the training path.
@@ -70,12 +75,31 @@ def case_specs(flags: str):
     return args, tool.specs_from_args(args)
 
 
-def split_qkv_owners(specs, mode: str):
-    """Specs with Q, K and V planned apart where ``mode`` allows (placement/blocks.py)."""
+def leading_term(specs):
+    """Specs with every matrix re-costed by m*n*min(m, n) per block orthogonalized apart: the
+    leading term of one iteration, the planner's cost before it took the optimizer's run."""
+    import dataclasses
+
+    from megatron_mfsdp.placement import WHOLE, UnitSpec
+
+    def cost(p):
+        rows, cols = p.shape
+        blocks = [rows // sum(p.split_rows) * r for r in p.split_rows] if p.split_rows else [rows]
+        return sum(r * cols * min(r, cols) for r in blocks)
+
+    return [
+        UnitSpec(u.name, [dataclasses.replace(p, cost=cost(p)) if p.storage == WHOLE else p for p in u.params])
+        for u in specs
+    ]
+
+
+def split_qkv_owners(specs, mode: str, ns=None):
+    """Specs with Q, K and V planned apart where ``mode`` allows (placement/blocks.py), each block
+    costed by the Newton-Schulz run ``ns`` (muon.NewtonSchulzCost; the default run if None)."""
     from megatron_mfsdp.optim import registry
     from megatron_mfsdp.placement.blocks import split_qkv_blocks
 
-    return split_qkv_blocks(specs, mode, registry.rule_set([]).cost)
+    return split_qkv_blocks(specs, mode, registry.rule_set([], ns=ns).cost)
 
 
 def old_auto(specs, world_size: int):
@@ -112,6 +136,13 @@ def main() -> None:
         help="plan Q, K and V blocks as separate matrices ('contiguous': only where a TP shard holds one "
         "query group). Planner model only: the runtime does not support split ownership yet",
     )
+    p.add_argument("--ns-flags", default="", help="Newton-Schulz flags for every case, e.g. '--muon-ns-dtype fp32'")
+    p.add_argument(
+        "--cost",
+        choices=["optimizer", "leading-term"],
+        default="optimizer",
+        help="optimizer: multiply-adds of the Newton-Schulz run (the planner's cost); leading-term: m*n*min(m,n)",
+    )
     p.add_argument("--repeats", type=int, default=3, help="timing of the largest case: best of N")
     args = p.parse_args()
     warnings.filterwarnings("ignore", category=UserWarning)
@@ -121,11 +152,16 @@ def main() -> None:
     largest = None
     for name in args.cases:
         flags, world_sizes = CASES[name]
-        _, specs = case_specs(flags)
+        from megatron_mfsdp.optim.muon import NewtonSchulzCost
+
+        case_args, specs = case_specs(f"{flags} {args.ns_flags}")
         if args.split_qkv_owners != "whole":
-            specs = split_qkv_owners(specs, args.split_qkv_owners)
+            specs = split_qkv_owners(specs, args.split_qkv_owners, NewtonSchulzCost.of(case_args))
+        if args.cost == "leading-term":
+            specs = leading_term(specs)
         print(
-            f"\n{name}: {flags}"
+            f"\n{name}: {flags} {args.ns_flags}".rstrip()
+            + (" [cost: leading term]" if args.cost == "leading-term" else "")
             + (f" [Q/K/V owners: {args.split_qkv_owners}]" if args.split_qkv_owners != "whole" else "")
         )
         print(header)

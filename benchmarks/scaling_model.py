@@ -37,6 +37,8 @@ from types import SimpleNamespace
 
 import torch
 
+from megatron_mfsdp.optim.muon import NewtonSchulzCost, newton_schulz_cost
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # ----------------------------------------------------------------------------- assumptions
@@ -62,6 +64,8 @@ TOKENS_PER_GPU = 4096  # assumed: one 4096-token sequence per data-parallel rank
 MICRO_BATCHES = 1  # assumed: no gradient accumulation (the step is paid once per micro-batch)
 ACT_CKPT_PASSES = 4  # forward + recomputed forward + backward (2x): 4 forward-equivalents of flops
 NS_STEPS = 5  # Newton-Schulz iterations (Megatron-LM's --muon-num-ns-steps default)
+GPU_NS = NewtonSchulzCost(NS_STEPS, "bf16", "auto")  # on CUDA: bf16, so the standard iteration
+CPU_NS = NewtonSchulzCost(NS_STEPS, "fp32", "auto")  # bench_optimizer_step.py's: Gram-space where it pays
 PARAM_BYTES = 2  # bf16 parameters: the bytes of a forward/backward gather
 GRAD_REDUCE_BYTES = 4  # fp32 gradient reduction (MatrixFSDPConfig grad_reduce_in_fp32 default)
 RECON_GATHER_BYTES = 4  # reconstruction gathers the fp32 Nesterov direction (testing/baselines.py)
@@ -111,6 +115,7 @@ class Hardware:
     inter: Link
     per_node: int  # data-parallel ranks of one group on one node
     slowdown: float = 1.0  # CPU time-sharing: ranks per core
+    ns: NewtonSchulzCost = GPU_NS  # the Newton-Schulz run (dtype, so kernel) at these rates
 
 
 A100 = Hardware(
@@ -157,7 +162,7 @@ LLAMA70B_TP8 = Shape("Llama-70B TP8", 80, 8192, 28672, 64, 8, 128256, 4096, 8, T
 
 
 # ----------------------------------------------------------------------------- the library's plan
-def unit_specs_for(shape: Shape):
+def unit_specs_for(shape: Shape, ns: NewtonSchulzCost = GPU_NS):
     """UnitSpecs of a megatron-core GPT of this shape (TP-local), classified and costed by the library
     (runtime.wrapper.unit_specs with the GPT adapter's rules), from meta tensors: nothing allocated."""
     from megatron_mfsdp import MatrixFSDPConfig
@@ -197,15 +202,14 @@ def unit_specs_for(shape: Shape):
         final.append(par("output_layer.weight", s.vocab // t, s.hidden))
     units.append(ModelUnit("final", final, []))
     config = SimpleNamespace(num_attention_heads=s.heads, num_query_groups=s.groups, kv_channels=kv)
-    return unit_specs(units, MatrixFSDPConfig(), GPT_ADAPTER, config)
+    return unit_specs(units, MatrixFSDPConfig(newton_schulz=ns), GPT_ADAPTER, config)
 
 
-def ns_flops(shape, split_rows, steps: int = NS_STEPS) -> int:
-    """Flops of newton_schulz on a matrix (per Q/K/V block when split): per step x x^T (2 m^2 n),
-    the Gram polynomial (2 m^3) and poly @ x (2 m^2 n), with m = min(rows, cols)."""
-    rows, cols = shape
-    blocks = [rows] if not split_rows else [rows // sum(split_rows) * r for r in split_rows]
-    return sum(steps * 2 * (2 * min(r, cols) ** 2 * max(r, cols) + min(r, cols) ** 3) for r in blocks)
+def ns_flops(shape, split_rows, ns: NewtonSchulzCost = GPU_NS) -> int:
+    """Flops of orthogonalizing one matrix (per Q/K/V block when split) with the kernel the optimizer
+    picks for ``ns``: the planner's own count (optim/muon.py, checked against torch's flop counter
+    in tests/unit/test_muon_gram.py), 2 flops per multiply-add."""
+    return 2 * newton_schulz_cost(shape, split_rows, ns)
 
 
 @dataclass
@@ -225,7 +229,7 @@ class PlanStats:
     planner_balance: str
 
 
-def plan_stats(specs, world: int) -> PlanStats:
+def plan_stats(specs, world: int, ns: NewtonSchulzCost = GPU_NS) -> PlanStats:
     from megatron_mfsdp.placement import WHOLE, plan_units
 
     plan = plan_units(specs, world, "auto")
@@ -234,7 +238,7 @@ def plan_stats(specs, world: int) -> PlanStats:
     for unit in plan.units:
         for slot in unit.slots:
             if slot.owner >= 0:
-                flops[slot.owner] += ns_flops(slot.shape, slot.split_rows)
+                flops[slot.owner] += ns_flops(slot.shape, slot.split_rows, ns)
                 mats[slot.owner].append((slot.shape, slot.split_rows))
         for r in range(world):
             for piece in unit.local_pieces(r):
@@ -305,7 +309,7 @@ def all_to_all(hw: Hardware, group: int, send: float, recv: float) -> float:
 def matmul_time(hw: Hardware, shape, split_rows) -> float:
     blocks = 1 if not split_rows else 3
     launches = blocks * NS_STEPS * NS_MATMULS_PER_STEP
-    return hw.slowdown * (launches * hw.mm_launch_s + ns_flops(shape, split_rows) / hw.ns_flops)
+    return hw.slowdown * (launches * hw.mm_launch_s + ns_flops(shape, split_rows, hw.ns) / hw.ns_flops)
 
 
 def muon_matrix_time(hw: Hardware, shape, split_rows, numel: int) -> float:
@@ -474,6 +478,7 @@ def cpu_hardware(cal: dict, world: int, cores: int) -> Hardware:
         gloo,
         world,
         slowdown,
+        CPU_NS,
     )
 
 
@@ -497,10 +502,10 @@ def validate(cal: dict, cores: int) -> list[tuple]:
         int(m.group(1)): (float(m.group(2)), float(m.group(3)))
         for m in re.finditer(r"RESULT W=(\d+) ours_ms=([\d.]+) recon_ms=([\d.]+)", proc.stdout)
     }
-    specs = unit_specs_for(QUICK_BENCH_SHAPE)
+    specs = unit_specs_for(QUICK_BENCH_SHAPE, CPU_NS)
     rows = []
     for w, (ours_ms, recon_ms) in sorted(measured.items()):
-        hw, ps = cpu_hardware(cal, w, cores), plan_stats(specs, w)
+        hw, ps = cpu_hardware(cal, w, cores), plan_stats(specs, w, CPU_NS)
         rows.append((w, ours_ms, 1e3 * step_ours(hw, ps, w), recon_ms, 1e3 * step_recon(hw, ps)))
     return rows
 

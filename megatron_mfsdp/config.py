@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from megatron.core.optimizer import OptimizerConfig
 
-from .optim.muon import NS_ALGORITHMS, NS_COEFFICIENTS, NS_DTYPES, SCALE_MODES
+from .optim.muon import NS_ALGORITHMS, NS_COEFFICIENTS, NS_DTYPES, SCALE_MODES, NewtonSchulzCost
 from .optim.muon_tp import TP_MODES
 from .placement.planner import POLICIES
 from .placement.rules import LAYOUTS
@@ -44,6 +44,11 @@ class MatrixFSDPConfig:
 
     muon_split_qkv: bool = True
     """Plan and update QKV matrices as separate Q, K, V blocks; must equal the optimizer config's."""
+
+    newton_schulz: NewtonSchulzCost = field(default_factory=NewtonSchulzCost)
+    """The Newton-Schulz run (steps, dtype, algorithm) the planner costs each Muon matrix by; take it
+    from the optimizer config (``NewtonSchulzCost.of``), as pretrain_gpt.py does. Another value
+    changes only the balance of the plan, not the numbers."""
 
     grad_reduce_in_fp32: bool = True
     """Reduce gradients in fp32 (else in the parameter dtype); the owner accumulates in fp32."""

@@ -132,6 +132,9 @@ def validate(args) -> None:
         args.vocab_size, args.make_vocab_size_divisible_by, 1 if args.mfsdp_vocab_padding_independent_of_tp else tp
     )
     args.param_rules = [parse_rule(rule, registry.rule_names()) for rule in args.mfsdp_param_rule]
+    # Matrices are costed by the Newton-Schulz run the optimizer will do; the plan is for a GPU
+    # cluster, so without --muon-ns-dtype it is bf16 as on CUDA (fp32 with --muon-fp32-matmul-prec high).
+    args.muon_ns_dtype = args.muon_ns_dtype or ("fp32" if args.muon_fp32_matmul_prec == "high" else "bf16")
 
 
 def parse(argv: list[str] | None = None):
@@ -168,6 +171,7 @@ def specs_from_args(args) -> list:
 
     from megatron_mfsdp.models.gpt import GPT_ADAPTER
     from megatron_mfsdp.optim import registry
+    from megatron_mfsdp.optim.muon import NewtonSchulzCost
     from megatron_mfsdp.placement.blocks import split_qkv_blocks
     from megatron_mfsdp.runtime.wrapper import unit_specs
     from megatron_mfsdp.training.setup import runtime_config
@@ -178,7 +182,7 @@ def specs_from_args(args) -> list:
     )
     specs = unit_specs(meta_units(model_shapes(args)), runtime_config(args), GPT_ADAPTER, shape)
     mode = getattr(args, "split_qkv_owners", "whole")
-    return split_qkv_blocks(specs, mode, registry.rule_set(args.param_rules).cost)
+    return split_qkv_blocks(specs, mode, registry.rule_set(args.param_rules, ns=NewtonSchulzCost.of(args)).cost)
 
 
 def plan_from_args(args):
@@ -203,7 +207,8 @@ def report(args, specs, plan) -> str:
         [
             f"GPT {args.num_layers} layers, hidden {args.hidden_size}, TP {args.tensor_model_parallel_size}, "
             f"DP {args.data_parallel_size} (owners over {plan.world_size}): {total:,} parameters per TP rank, "
-            f"{matrices / max(total, 1):.1%} in whole matrices",
+            f"{matrices / max(total, 1):.1%} in whole matrices; NS flops as {args.muon_num_ns_steps} Newton-Schulz "
+            f"steps in {args.muon_ns_dtype} ({args.muon_ns_algorithm}) cost them",
             "> pipeline stage 0: " + plan.report(),
             f"lower bounds: bytes {bounds.bytes:.3f}, NS flops {bounds.ns_flops:.3f} (max/mean no plan can beat)",
         ]

@@ -205,14 +205,20 @@ def newton_schulz_gram(
     return _restored(x, transposed)
 
 
+def ns_multiply_adds(shape: Sequence[int], steps: int, ns_dtype: torch.dtype, gram: bool) -> int:
+    """Multiply-adds of ``steps`` Newton-Schulz iterations of one (rows, cols) matrix, counted as in
+    :func:`newton_schulz_gram`'s docstring: per iteration 2 m^2 n + m^3 for the standard one."""
+    m, n = sorted(int(d) for d in shape[-2:])
+    if not gram:
+        return steps * (2 * m * m * n + m**3)
+    segments = -(-steps // GRAM_RESTART_EVERY[ns_dtype])
+    return 2 * segments * m * m * n + (4 * steps - 3 * segments) * m**3
+
+
 def gram_pays(shape: Sequence[int], steps: int, ns_dtype: torch.dtype = torch.float32) -> bool:
     """Whether :func:`newton_schulz_gram` needs fewer flops than :func:`newton_schulz` on a
-    (rows, cols) matrix (counted as in its docstring)."""
-    m, n = sorted(int(d) for d in shape[-2:])
-    segments = -(-steps // GRAM_RESTART_EVERY[ns_dtype])
-    standard = steps * (2 * m * m * n + m**3)
-    gram = 2 * segments * m * m * n + (4 * steps - 3 * segments) * m**3
-    return gram < standard
+    (rows, cols) matrix."""
+    return ns_multiply_adds(shape, steps, ns_dtype, gram=True) < ns_multiply_adds(shape, steps, ns_dtype, gram=False)
 
 
 def auto_may_use_gram(ns_dtype: torch.dtype) -> bool:
@@ -221,13 +227,18 @@ def auto_may_use_gram(ns_dtype: torch.dtype) -> bool:
     return ns_dtype == torch.float32
 
 
+def uses_gram(shape: Sequence[int], steps: int, ns_dtype: torch.dtype, algorithm: str) -> bool:
+    """Whether :func:`orthogonalize` runs the Gram-space iteration on a matrix of ``shape``."""
+    if algorithm not in NS_ALGORITHMS:
+        raise ValueError(f"unknown --muon-ns-algorithm {algorithm!r}; choose one of {', '.join(NS_ALGORITHMS)}")
+    return algorithm == "gram" or (algorithm == "auto" and auto_may_use_gram(ns_dtype) and gram_pays(shape, steps))
+
+
 def orthogonalize(
     grad: Tensor, steps: int, coefficient_type: str, ns_dtype: torch.dtype, algorithm: str = "standard"
 ) -> Tensor:
     """Newton-Schulz of a matrix (or a same-shape stack) by ``algorithm`` (:data:`NS_ALGORITHMS`)."""
-    if algorithm not in NS_ALGORITHMS:
-        raise ValueError(f"unknown --muon-ns-algorithm {algorithm!r}; choose one of {', '.join(NS_ALGORITHMS)}")
-    if algorithm == "gram" or (algorithm == "auto" and auto_may_use_gram(ns_dtype) and gram_pays(grad.shape, steps)):
+    if uses_gram(grad.shape, steps, ns_dtype, algorithm):
         return newton_schulz_gram(grad, steps, coefficient_type, ns_dtype)
     if grad.dim() == 3:
         return newton_schulz_batched(grad, steps, coefficient_type, ns_dtype)
@@ -446,16 +457,42 @@ def muon_step_(
     apply_update_(param, update, alpha, lr, weight_decay)
 
 
-def newton_schulz_cost(shape: Sequence[int], split_rows: Sequence[int] | None = None) -> int:
-    """Flops-proportional cost of one Newton-Schulz iteration, m*n*min(m,n), summed over
-    the blocks that are orthogonalized separately (Q, K, V: ``split_rows`` per group)."""
+@dataclass(frozen=True)
+class NewtonSchulzCost:
+    """The Newton-Schulz run the planner costs each Muon matrix by: the optimizer config's steps,
+    dtype and algorithm (the kernel :func:`orthogonalize` will pick, gram or standard, per shape)."""
+
+    steps: int = 5
+    dtype: str = "bf16"  # a key of NS_DTYPES
+    algorithm: str = "auto"
+
+    def __post_init__(self):
+        if self.dtype not in NS_DTYPES:
+            raise ValueError(f"unknown Newton-Schulz dtype {self.dtype!r} (--muon-ns-dtype); choose one of bf16, fp32")
+        uses_gram((1, 1), self.steps, NS_DTYPES[self.dtype], self.algorithm)  # validates the algorithm
+
+    @classmethod
+    def of(cls, cfg) -> NewtonSchulzCost:
+        """From a MatrixFSDPOptimizerConfig, or the parsed arguments of the same names."""
+        return cls(cfg.muon_num_ns_steps, cfg.muon_ns_dtype, cfg.muon_ns_algorithm)
+
+    def multiply_adds(self, shape: Sequence[int]) -> int:
+        dtype = NS_DTYPES[self.dtype]
+        return ns_multiply_adds(shape, self.steps, dtype, uses_gram(shape, self.steps, dtype, self.algorithm))
+
+
+def newton_schulz_cost(
+    shape: Sequence[int], split_rows: Sequence[int] | None = None, ns: NewtonSchulzCost = NewtonSchulzCost()
+) -> int:
+    """Multiply-adds of orthogonalizing one matrix as ``ns`` says (every iteration, the m^3 terms
+    included), summed over the blocks orthogonalized separately (Q, K, V: ``split_rows`` per group)."""
     rows, cols = shape
     if split_rows:
         groups = rows // sum(split_rows)
         blocks = [groups * r for r in split_rows]
     else:
         blocks = [rows]
-    return sum(r * cols * min(r, cols) for r in blocks)
+    return sum(ns.multiply_adds((r, cols)) for r in blocks)
 
 
 def muon_kwargs(cfg) -> dict:

@@ -8,6 +8,7 @@ the shell loops over rules by name, placement takes each rule's storage and cost
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 from ..placement.rules import LAYOUTS, SLICE, WHOLE, RuleKind, RuleSet
@@ -71,11 +72,16 @@ def even_variant(name: str) -> str:
     raise ValueError(f"update rule {name!r} has no even-shard variant; --mfsdp-layout even cannot place it")
 
 
-def rule_set(rules: Sequence[tuple[str, str]], layout: str = "owner") -> RuleSet:
-    """Placement's view of a rule list: each named rule's storage and cost. With layout 'even'
-    every WHOLE rule is replaced by its even variant, so every parameter is an even SLICE."""
+def rule_set(
+    rules: Sequence[tuple[str, str]], layout: str = "owner", ns: muon.NewtonSchulzCost | None = None
+) -> RuleSet:
+    """Placement's view of a rule list: each named rule's storage and cost (Muon's by the
+    Newton-Schulz run ``ns``, the default settings if None). With layout 'even' every WHOLE
+    rule is replaced by its even variant, so every parameter is an even SLICE."""
+    ns = ns or muon.NewtonSchulzCost()
     if layout not in LAYOUTS:
         raise ValueError(f"unknown layout {layout!r} (--mfsdp-layout); choose one of {', '.join(LAYOUTS)}")
     if layout == "even":
         rules = [(pattern, even_variant(name) if name in RULES else name) for pattern, name in rules]
-    return RuleSet(tuple(rules), {name: RuleKind(rule.storage, rule.cost) for name, rule in RULES.items()})
+    kinds = {name: RuleKind(rule.storage, functools.partial(rule.cost, ns=ns)) for name, rule in RULES.items()}
+    return RuleSet(tuple(rules), kinds)

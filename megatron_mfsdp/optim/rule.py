@@ -60,7 +60,7 @@ class GroupMatrix:
     bounds: tuple[int, ...]  # W+1 offsets into the flattened parameter
 
 
-def zero_cost(shape, split_rows) -> int:
+def zero_cost(shape, split_rows, ns=None) -> int:
     return 0
 
 
@@ -72,7 +72,7 @@ class UpdateRule:
     storage: str  # placement.WHOLE or placement.SLICE
     state: tuple[str, ...]  # per-piece state tensors, shaped like the piece, zero-initialized
     step: Callable[[Sequence[OwnedPiece], StepContext], None]
-    cost: Callable = zero_cost  # planner cost (shape, split_rows) -> int
+    cost: Callable = zero_cost  # planner cost (shape, split_rows, ns: muon.NewtonSchulzCost) -> int
     optimizer: str | None = None  # the --optimizer value that sends the model's matrices here
     tp_variant: str | None = None  # the rule used instead on tensor-parallel shards (TP > 1)
     check: Callable[[OwnedPiece, object], None] | None = None  # validate a piece at set-up

@@ -125,7 +125,7 @@ class Plan:
     world_size: int
     policy: str
     units: list[UnitLayout]
-    cost_per_rank: list[int]  # planner cost (NS flops per iteration / 2) of each rank's owned matrices
+    cost_per_rank: list[int]  # planner cost (NS multiply-adds per optimizer step) of each rank's matrices
     element_size: int = 4
 
     def digest(self) -> str:
@@ -147,7 +147,7 @@ class Plan:
         nbytes = [e * self.element_size for e in elements]
         lines = [
             f"MatrixFSDP plan: {len(self.units)} units over {self.world_size} DP ranks, policy {self.policy}",
-            f"{'rank':>6} {'owned bytes':>14} {'NS flops/iter':>16} {'matrices':>9}",
+            f"{'rank':>6} {'owned bytes':>14} {'NS flops/step':>16} {'matrices':>9}",
         ]
         owned = [0] * self.world_size
         for unit in self.units:

@@ -66,7 +66,9 @@ def unit_specs(units: list[ModelUnit], ddp_config: MatrixFSDPConfig, adapter: Mo
     """Classify and cost the parameters of model units for the planner: user rules first,
     then the model's own, each rule's storage and cost from the optimizer's registry."""
     rules = registry.rule_set(
-        list(ddp_config.param_rules) + adapter.param_rules(registry.PLACEMENT_MATRIX_RULE), ddp_config.layout
+        list(ddp_config.param_rules) + adapter.param_rules(registry.PLACEMENT_MATRIX_RULE),
+        ddp_config.layout,
+        ddp_config.newton_schulz,
     )
     specs = []
     for unit in units:

@@ -19,6 +19,7 @@ import torch
 
 from ..config import MatrixFSDPConfig, MatrixFSDPOptimizerConfig
 from ..groups import ProcessGroups
+from ..optim.muon import NewtonSchulzCost
 
 MATRIX_FSDP, MEGATRON_DDP, REPLICATED = "matrix_fsdp", "megatron_ddp", "replicated"
 
@@ -38,6 +39,7 @@ def runtime_config(args) -> MatrixFSDPConfig:
         planner=args.mfsdp_planner,
         layout=args.mfsdp_layout,
         muon_split_qkv=args.muon_split_qkv,
+        newton_schulz=NewtonSchulzCost.of(args),
         verify_collectives=args.mfsdp_verify_collectives,
         grad_reduce_in_fp32=args.accumulate_allreduce_grads_in_fp32 or not low_precision,
         prefetch_depth=args.mfsdp_prefetch_depth,

@@ -84,6 +84,41 @@ def test_gram_pays_from_one_and_a_half_aspect():
     assert muon.gram_pays((2048, 512), 5) and muon.gram_pays((512, 1536), 5)
 
 
+@pytest.mark.parametrize("shape", [(64, 256), (256, 64), (96, 96), (40, 200)])
+@pytest.mark.parametrize("steps", [5, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_multiply_add_counts_are_what_the_kernels_do(shape, steps, dtype):
+    """ns_multiply_adds (the planner's cost) against torch's own count of the matrix products
+    each kernel runs (FlopCounterMode: 2 flops per multiply-add)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    x = torch.randn(*shape)
+    for gram, kernel in ((False, muon.newton_schulz), (True, muon.newton_schulz_gram)):
+        with FlopCounterMode(display=False) as counter:
+            kernel(x, steps, "simple", dtype)
+        assert counter.get_total_flops() == 2 * muon.ns_multiply_adds(shape, steps, dtype, gram), (gram, shape)
+
+
+def test_planner_cost_follows_the_optimizer_run():
+    """The planner costs a matrix by the kernel orthogonalize picks; QKV blocks add up apart."""
+    bf16, fp32 = muon.NewtonSchulzCost(5, "bf16", "auto"), muon.NewtonSchulzCost(5, "fp32", "auto")
+    tall = (2048, 512)
+    assert muon.newton_schulz_cost(tall, None, bf16) == muon.ns_multiply_adds(tall, 5, torch.bfloat16, False)
+    assert muon.newton_schulz_cost(tall, None, fp32) == muon.ns_multiply_adds(tall, 5, torch.float32, True)
+    assert muon.newton_schulz_cost((512, 512), None, fp32) == 5 * 3 * 512**3  # square: standard
+    forced = muon.NewtonSchulzCost(5, "bf16", "gram")
+    assert muon.newton_schulz_cost((512, 512), None, forced) == muon.ns_multiply_adds(
+        (512, 512), 5, torch.bfloat16, True
+    )
+    # QKV of 2 groups, (q, k, v) rows (4, 2, 2) per group, 32 columns: blocks of 8, 4 and 4 rows.
+    split = muon.newton_schulz_cost((16, 32), (4, 2, 2), bf16)
+    assert split == sum(muon.newton_schulz_cost((r, 32), None, bf16) for r in (8, 4, 4))
+    with pytest.raises(ValueError, match="--muon-ns-dtype"):
+        muon.NewtonSchulzCost(5, "fp16", "auto")
+    with pytest.raises(ValueError, match="--muon-ns-algorithm"):
+        muon.NewtonSchulzCost(5, "bf16", "fast")
+
+
 def test_auto_picks_gram_in_fp32_where_it_pays_and_standard_elsewhere():
     tall, square = torch.randn(128, 32), torch.randn(48, 48)
     picked = muon.orthogonalize(tall, 5, "quintic", torch.float32, "auto")

@@ -7,6 +7,7 @@ from megatron_mfsdp.config import MatrixFSDPConfig
 from megatron_mfsdp.models.gpt import GPT_ADAPTER, build_gpt_model, gpt_param_rules
 from megatron_mfsdp.optim import registry
 from megatron_mfsdp.placement import SLICE, WHOLE, ParamSpec, UnitSpec, balance, plan_units
+from megatron_mfsdp.placement.bounds import plan_bounds
 from megatron_mfsdp.runtime.wrapper import unit_specs
 from megatron_mfsdp.testing import init_megatron, optimizer_config, run_workers, tiny_gpt_config
 
@@ -109,13 +110,17 @@ def test_plan_is_deterministic_and_digest_sensitive(gpt_24x2048_specs):
 
 @pytest.mark.parametrize("world_size,max_balance", [(8, 1.05), (64, 1.40)])
 def test_gpt_24_layers_hidden_2048_balance(gpt_24x2048_specs, world_size, max_balance):
+    """At W=64 the 72 matrices of 9 units of NS work (QKV as three 2048^2 blocks, fc1, fc2;
+    linear_proj is 3) put two on some rank: 18 against a mean of 11.25, so NS max/mean 1.6 is
+    the optimum (the lower bound), and the plan must reach it."""
     plan = plan_units(gpt_24x2048_specs, world_size, "auto")
     elements, costs = plan.per_rank_load()
+    bound = plan_bounds(gpt_24x2048_specs, world_size).ns_flops
     print(
         f"\nW={world_size} policy={plan.policy}: bytes max/mean {balance(elements):.3f}, "
-        f"NS flops max/mean {balance(costs):.3f}"
+        f"NS flops max/mean {balance(costs):.3f} (lower bound {bound:.3f})"
     )
-    assert balance(elements) <= max_balance and balance(costs) <= max_balance
+    assert balance(elements) <= max_balance and balance(costs) <= max(max_balance, bound + 1e-9)
     _check_layout_covers_every_element_once(plan)
     # 'auto' is never worse than either policy it chooses from.
     for policy in ("greedy", "global"):
