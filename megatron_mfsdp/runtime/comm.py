@@ -103,6 +103,7 @@ class _Route:
             for r in range(world)
             for p in layout.local_pieces(r)
         ]
+        self.covers_all = sum(c[2] for c in self.copies) == layout.numel  # no element left to zero
 
 
 class SegmentComm:
@@ -136,31 +137,36 @@ class SegmentComm:
         ]  # each owner's segment lands in two places: its matrix part and its tail slice
         m = parts[self.rank][0].numel()
         mine = [segment[:m], segment[m:]]
+        sent = as_bytes(segment) if segment.is_contiguous() else None
         self.traffic[phase] += (layout.numel - segment.numel()) * segment.element_size()
         if self.world == 1:
             return PendingGather(full, [], lambda: _copy_views(parts[0], mine))
         if not self.coalesce:
             return PendingGather(full, self._broadcasts(parts, mine), check=check)
-        return self.start_gather_views(mine, parts, full, check)
+        return self.start_gather_views(mine, parts, full, check, sent)
 
     def _signature(self, layout: UnitLayout, op: int):
         """The unit's signature all-gather, started before its collective (None without checks)."""
         return start_signature(self.group, layout.index, op, layout.numel, self.device) if self.verify else None
 
-    def start_gather_views(self, mine: list[torch.Tensor], parts: list[list[torch.Tensor]], result=None, check=None):
+    def start_gather_views(
+        self, mine: list[torch.Tensor], parts: list[list[torch.Tensor]], result=None, check=None, sent=None
+    ):
         """Every rank's ``mine`` (flat tensors of any dtype) lands in ``parts[rank]`` on every rank, as
         bytes, in one collective (one NCCL group): the dtype-agnostic core of the gather. ``parts[r]``
-        are this rank's destination views for rank r's pieces (``parts[self.rank]`` matches ``mine``)."""
+        are this rank's destination views for rank r's pieces (``parts[self.rank]`` matches ``mine``);
+        ``sent``, if given, is ``mine``'s bytes already in one tensor (the segment: no copy to make)."""
         _copy_views(parts[self.rank], mine)
         if self.p2p:
             return PendingGather(result, self._p2p_gather(mine, parts), check=check)
-        sent = torch.cat([as_bytes(t) for t in mine]) if mine else torch.empty(0, dtype=torch.uint8)
+        if sent is None:
+            sent = torch.cat([as_bytes(t) for t in mine]) if mine else torch.empty(0, dtype=torch.uint8)
         recv_sizes = [0 if r == self.rank else sum(as_bytes(v).numel() for v in parts[r]) for r in range(self.world)]
         send_sizes = [0 if r == self.rank else sent.numel() for r in range(self.world)]
         staging = torch.empty(sum(recv_sizes), dtype=torch.uint8, device=sent.device)
         work = dist.all_to_all_single(
             staging,
-            sent.repeat(self.world - 1),
+            sent if self.world == 2 else sent.repeat(self.world - 1),  # one copy per receiver
             output_split_sizes=recv_sizes,
             input_split_sizes=send_sizes,
             group=self.group,
@@ -200,14 +206,25 @@ class SegmentComm:
     # ----------------------------------------------------------------- reduce
     def pack_grads(self, layout: UnitLayout, grads: dict, dtype, scale: float) -> torch.Tensor:
         """This rank's contribution to the unit's gradient, scaled, in wire order (segment order when
-        coalesced, layout order otherwise); a parameter without a gradient contributes zeros."""
-        out = torch.zeros(layout.numel, dtype=dtype, device=self.device)
-        for name, param_offset, numel, full_offset, send_offset in self.route(layout).copies:
+        coalesced, layout order otherwise); a parameter without a gradient contributes zeros. The
+        scale is applied as each gradient is copied when dtypes match (one pass instead of copy,
+        then scale; the same products), and only uncovered elements are zeroed."""
+        route = self.route(layout)
+        complete = route.covers_all and all(grads.get(name) is not None for name, *_ in route.copies)
+        out = (torch.empty if complete else torch.zeros)(layout.numel, dtype=dtype, device=self.device)
+        for name, param_offset, numel, full_offset, send_offset in route.copies:
             grad = grads.get(name)
-            if grad is not None:
-                at = send_offset if self.coalesce else full_offset
-                out[at : at + numel].copy_(grad.reshape(-1)[param_offset : param_offset + numel])
-        return out.mul_(scale)
+            if grad is None:
+                continue
+            at = send_offset if self.coalesce else full_offset
+            src, dst = grad.reshape(-1)[param_offset : param_offset + numel], out[at : at + numel]
+            if scale == 1.0:
+                dst.copy_(src)
+            elif src.dtype == dtype:
+                torch.mul(src, scale, out=dst)
+            else:
+                dst.copy_(src).mul_(scale)
+        return out
 
     def start_reduce(self, layout: UnitLayout, packed: torch.Tensor) -> PendingReduce:
         """Start summing ``packed`` (this rank's contribution from ``pack_grads``) over the group;
