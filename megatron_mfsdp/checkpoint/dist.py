@@ -131,10 +131,24 @@ def load_common(folder: str) -> dict:
 
 
 def load_state_dict(request: dict, folder: str, strict: str) -> dict:
+    """dist_checkpointing.load with --dist-ckpt-strictness ``strict``. The return_* modes hand the
+    mismatched keys back instead of reporting them; they are printed here (rank 0), so that the
+    mode does what its name says instead of breaking the load (Megatron-LM indexes the tuple)."""
     from megatron.core import dist_checkpointing
 
     with cuda_on_cpu():
-        return dist_checkpointing.load(request, folder, strict=strict)
+        loaded = dist_checkpointing.load(request, folder, strict=strict)
+    if not strict.startswith("return_"):
+        return loaded
+    loaded, missing, unexpected = loaded
+    if dist.get_rank() == 0 and (missing or unexpected):
+        print(
+            f"--dist-ckpt-strictness {strict}: {folder} has {len(missing)} key(s) this run did not ask for "
+            f"({', '.join(sorted(missing)[:5])}{' ...' if len(missing) > 5 else ''}) and lacks {len(unexpected)} it "
+            f"asked for ({', '.join(sorted(unexpected)[:5])}{' ...' if len(unexpected) > 5 else ''})",
+            flush=True,
+        )
+    return loaded
 
 
 def copy_loaded(request, loaded) -> None:

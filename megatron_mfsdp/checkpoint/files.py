@@ -37,28 +37,34 @@ def load_target(root: str, step: int | None = None) -> tuple[str, int] | None:
     get_checkpoint_name, megatron/training/checkpointing.py at core_v0.16.1). None: no tracker."""
     if step is not None:
         return iteration_dir(root, step), step
-    path = os.path.join(root, TRACKER)
-    if os.path.isfile(path):
-        with open(path) as f:
-            if f.read().strip() == RELEASE:
-                return os.path.join(root, RELEASE), 0
-    iteration = read_tracker(root)
+    text = _tracker_text(root)
+    if text == RELEASE:
+        return os.path.join(root, RELEASE), 0
+    iteration = None if text is None else _tracker_iteration(root, text)
     return None if iteration is None else (iteration_dir(root, iteration), iteration)
 
 
 def read_tracker(root: str) -> int | None:
     """The iteration the tracker names, or None without a tracker ('release' is Megatron's 0)."""
+    text = _tracker_text(root)
+    return None if text is None else _tracker_iteration(root, text)
+
+
+def _tracker_text(root: str) -> str | None:
     path = os.path.join(root, TRACKER)
     if not os.path.isfile(path):
         return None
     with open(path) as f:
-        text = f.read().strip()
-    if text == "release":
+        return f.read().strip()
+
+
+def _tracker_iteration(root: str, text: str) -> int:
+    if text == RELEASE:
         return 0
     try:
         return int(text)
     except ValueError:
-        raise ValueError(f"{path}: expected an iteration number, found {text!r}") from None
+        raise ValueError(f"{os.path.join(root, TRACKER)}: expected an iteration number, found {text!r}") from None
 
 
 def _fsync_dir(path: str) -> None:

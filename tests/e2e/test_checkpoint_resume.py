@@ -270,3 +270,24 @@ def test_ckpt_step_finetune_and_checkpoint_args(tmp_path):
     assert "--use-checkpoint-args: --hidden-size 64" in run["stdout"]
     assert "successfully loaded checkpoint" in run["stdout"] and "at iteration 2" in run["stdout"]
     assert [it for it, _ in run["history"]["train"]] == [1, 2]
+
+
+def test_dist_ckpt_strictness_modes(tmp_path):
+    """--no-load-optim leaves the optimizer's keys in the checkpoint unrequested ("missing" in
+    dist_checkpointing's terms): the default assume_ok_unexpected loads the weights, raise_all
+    refuses naming the keys, return_all loads and prints them (megatron-core's load returns them)."""
+    save = tmp_path / "ckpt"
+    _short_run(tmp_path, save, nproc=1)
+    flags = [*TINY, "--eval-iters", "0", "--train-iters", "3", "--use-matrix-fsdp", "--load", str(save)]
+    resumed = train_losses(pretrain_in_workers(1, *flags, "--no-load-optim", tmp_path=tmp_path))
+    assert len(resumed) == 1
+    with pytest.raises(RuntimeError, match=r"(?s)Missing keys.*optimizer"):
+        pretrain_in_workers(1, *flags, "--no-load-optim", "--dist-ckpt-strictness", "raise_all", tmp_path=tmp_path)
+    ranks = pretrain_in_workers(
+        1, *flags, "--no-load-optim", "--dist-ckpt-strictness", "return_all", tmp_path=tmp_path, rank=None
+    )
+    assert train_losses(ranks[0]) == resumed
+    assert re.search(
+        r"--dist-ckpt-strictness return_all: \S+ has \d+ key\(s\) this run did not ask for \(optimizer",
+        ranks[0]["stdout"],
+    )
