@@ -355,6 +355,11 @@ class MatrixFSDP(torch.nn.Module):
         for state in self.units:
             if state.grads_seen or state.held_for_backward:
                 self._reduce_and_release(state)
+            # A prefetch the backward never used is landed here: the gather sends from the live
+            # segment, which the optimizer step rewrites.
+            if state.pending is not None:
+                state.pending.wait()
+                state.pending = None
         self.wait_for_reductions()
 
     def scale_gradients(self, scaling_factor: float) -> None:

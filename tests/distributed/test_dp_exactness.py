@@ -249,9 +249,18 @@ def _view_worker(rank, world_size):
     opt.step()
     # The unit was released twice (after forward and after its reduction) and the
     # weights changed in the step; the view still reads the gathered values.
-    return {"intact": torch.equal(kept["view"], kept["values"]), "released": fc1.weight.numel() == 0}
+    intact, released = torch.equal(kept["view"], kept["values"]), fc1.weight.numel() == 0
+    # A prefetch nothing used (here started by hand) is landed by finish_grad_sync: its gather
+    # sends from the live segment, which the step rewrites.
+    opt.zero_grad()
+    ddp._prefetch(0, +1)
+    started = ddp.units[1].pending is not None
+    ddp.finish_grad_sync()
+    landed = all(state.pending is None for state in ddp.units)
+    return {"intact": intact, "released": released, "prefetch": (started, landed)}
 
 
 def test_views_into_released_units_stay_valid():
     for r in run_workers(2, _view_worker):
         assert r["intact"] and r["released"]
+        assert r["prefetch"] == (True, True)
