@@ -80,12 +80,11 @@ def leading_term(specs):
     leading term of one iteration, the planner's cost before it took the optimizer's run."""
     import dataclasses
 
+    from megatron_mfsdp.optim.muon import orthogonalized_blocks
     from megatron_mfsdp.placement import WHOLE, UnitSpec
 
     def cost(p):
-        rows, cols = p.shape
-        blocks = [rows // sum(p.split_rows) * r for r in p.split_rows] if p.split_rows else [rows]
-        return sum(r * cols * min(r, cols) for r in blocks)
+        return sum(r * c * min(r, c) for r, c in orthogonalized_blocks(p.shape, p.split_rows))
 
     return [
         UnitSpec(u.name, [dataclasses.replace(p, cost=cost(p)) if p.storage == WHOLE else p for p in u.params])
@@ -149,11 +148,11 @@ def main() -> None:
     header = (
         f"{'W':>5} {'policy':>14} {'NS old -> new':>16} {'bound':>7}   {'bytes old -> new':>16} {'bound':>7} {'ms':>8}"
     )
+    from megatron_mfsdp.optim.muon import NewtonSchulzCost
+
     largest = None
     for name in args.cases:
         flags, world_sizes = CASES[name]
-        from megatron_mfsdp.optim.muon import NewtonSchulzCost
-
         case_args, specs = case_specs(f"{flags} {args.ns_flags}")
         if args.split_qkv_owners != "whole":
             specs = split_qkv_owners(specs, args.split_qkv_owners, NewtonSchulzCost.of(case_args))

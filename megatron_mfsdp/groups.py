@@ -118,17 +118,18 @@ def initialize_model_parallel(tp: int = 1, pp: int = 1, vp: int | None = None, *
     if ps.model_parallel_is_initialized():
         if layout == _LAYOUT:
             return
-        ps.destroy_model_parallel()
         forget_layout()
     ps.initialize_model_parallel(tp, pp, virtual_pipeline_model_parallel_size=vp, **kwargs)
     _LAYOUT.update(layout)
 
 
 def forget_layout() -> None:
-    """Destroy every process group of this process except the default one (a local call on
-    gloo), after megatron's ``destroy_model_parallel`` has dropped its references."""
+    """megatron's ``destroy_model_parallel``, then destroy every process group of this process
+    except the default one (a local call on gloo): megatron only drops its references."""
+    from megatron.core import parallel_state as ps
     from torch.distributed import distributed_c10d as c10d
 
+    ps.destroy_model_parallel()
     world = c10d._get_default_group()
     for group in [g for g in c10d._world.pg_map if g is not world]:
         dist.destroy_process_group(group)

@@ -171,7 +171,6 @@ def specs_from_args(args) -> list:
 
     from megatron_mfsdp.models.gpt import GPT_ADAPTER
     from megatron_mfsdp.optim import registry
-    from megatron_mfsdp.optim.muon import NewtonSchulzCost
     from megatron_mfsdp.placement.blocks import split_qkv_blocks
     from megatron_mfsdp.runtime.wrapper import unit_specs
     from megatron_mfsdp.training.setup import runtime_config
@@ -180,9 +179,10 @@ def specs_from_args(args) -> list:
     shape = SimpleNamespace(
         num_attention_heads=args.num_attention_heads, num_query_groups=groups, kv_channels=args.kv_channels
     )
-    specs = unit_specs(meta_units(model_shapes(args)), runtime_config(args), GPT_ADAPTER, shape)
+    runtime = runtime_config(args)
+    specs = unit_specs(meta_units(model_shapes(args)), runtime, GPT_ADAPTER, shape)
     mode = getattr(args, "split_qkv_owners", "whole")
-    return split_qkv_blocks(specs, mode, registry.rule_set(args.param_rules, ns=NewtonSchulzCost.of(args)).cost)
+    return split_qkv_blocks(specs, mode, registry.rule_set(args.param_rules, ns=runtime.newton_schulz).cost)
 
 
 def plan_from_args(args):

@@ -227,10 +227,14 @@ def auto_may_use_gram(ns_dtype: torch.dtype) -> bool:
     return ns_dtype == torch.float32
 
 
-def uses_gram(shape: Sequence[int], steps: int, ns_dtype: torch.dtype, algorithm: str) -> bool:
-    """Whether :func:`orthogonalize` runs the Gram-space iteration on a matrix of ``shape``."""
+def _check_algorithm(algorithm: str) -> None:
     if algorithm not in NS_ALGORITHMS:
         raise ValueError(f"unknown --muon-ns-algorithm {algorithm!r}; choose one of {', '.join(NS_ALGORITHMS)}")
+
+
+def uses_gram(shape: Sequence[int], steps: int, ns_dtype: torch.dtype, algorithm: str) -> bool:
+    """Whether :func:`orthogonalize` runs the Gram-space iteration on a matrix of ``shape``."""
+    _check_algorithm(algorithm)
     return algorithm == "gram" or (algorithm == "auto" and auto_may_use_gram(ns_dtype) and gram_pays(shape, steps))
 
 
@@ -469,7 +473,7 @@ class NewtonSchulzCost:
     def __post_init__(self):
         if self.dtype not in NS_DTYPES:
             raise ValueError(f"unknown Newton-Schulz dtype {self.dtype!r} (--muon-ns-dtype); choose one of bf16, fp32")
-        uses_gram((1, 1), self.steps, NS_DTYPES[self.dtype], self.algorithm)  # validates the algorithm
+        _check_algorithm(self.algorithm)
 
     @classmethod
     def of(cls, cfg) -> NewtonSchulzCost:
@@ -485,14 +489,18 @@ def newton_schulz_cost(
     shape: Sequence[int], split_rows: Sequence[int] | None = None, ns: NewtonSchulzCost = NewtonSchulzCost()
 ) -> int:
     """Multiply-adds of orthogonalizing one matrix as ``ns`` says (every iteration, the m^3 terms
-    included), summed over the blocks orthogonalized separately (Q, K, V: ``split_rows`` per group)."""
+    included), summed over the blocks orthogonalized separately."""
+    return sum(ns.multiply_adds(block) for block in orthogonalized_blocks(shape, split_rows))
+
+
+def orthogonalized_blocks(shape: Sequence[int], split_rows: Sequence[int] | None) -> list[tuple[int, int]]:
+    """(rows, cols) of each block Muon orthogonalizes apart: the whole matrix, or with ``split_rows``
+    (rows per query group of Q, K, V) one block each of groups x rows."""
     rows, cols = shape
-    if split_rows:
-        groups = rows // sum(split_rows)
-        blocks = [groups * r for r in split_rows]
-    else:
-        blocks = [rows]
-    return sum(ns.multiply_adds((r, cols)) for r in blocks)
+    if not split_rows:
+        return [(rows, cols)]
+    groups = rows // sum(split_rows)
+    return [(groups * r, cols) for r in split_rows]
 
 
 def muon_kwargs(cfg) -> dict:

@@ -212,11 +212,8 @@ _POOLS: dict[tuple[int, int], WorkerPool] = {}
 
 
 def _release_groups(rank: int, world_size: int) -> None:
-    from megatron.core import parallel_state as ps
-
     from ..groups import forget_layout
 
-    ps.destroy_model_parallel()
     forget_layout()
 
 
