@@ -12,6 +12,9 @@ megatron-core.
 
 __version__ = "0.1.0"
 
+# First: importing it imports megatron.core with its fusions compiled at their first call, not at
+# import (compat/jit.py: seconds per process).
+from .compat import jit as _jit  # noqa: F401
 from .config import MatrixFSDPConfig, MatrixFSDPOptimizerConfig
 from .groups import ProcessGroups
 from .optim.optimizer import MatrixFSDPOptimizer, get_megatron_optimizer

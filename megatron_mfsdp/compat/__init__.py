@@ -1,2 +1,3 @@
 """Adaptations of megatron-core to machines it was not written for: ``cpu.py`` is the
-one place where its CUDA assumptions are bent for CPU runs."""
+one place where its CUDA assumptions are bent for CPU runs; ``jit.py``
+defers the compilation of its fusions from import to first call."""

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import weakref
 from collections import deque
 from collections.abc import Iterator
 
@@ -252,7 +253,15 @@ class MatrixFSDP(torch.nn.Module):
         return hook
 
     def _make_grad_ready(self, state: _UnitState):
+        """The hook lives on the parameter, in C++, where Python's collector cannot see it: it
+        holds the wrapper and the unit weakly, or parameter -> hook -> unit -> parameter would
+        be a cycle no one frees (the whole model, and its process groups' threads)."""
+        wrapper, unit = weakref.ref(self), weakref.ref(state)
+
         def hook(param):
+            self, state = wrapper(), unit()
+            if self is None or state is None:
+                return
             state.grads_seen += 1
             if state.grads_seen == state.grad_params:
                 self._reduce_and_release(state)

@@ -76,14 +76,16 @@ def _init(rank: int, world_size: int, port: int, threads: int) -> None:
 
 
 def _run_task(rank: int, world_size: int, fn, args, out_dir: str) -> None:
+    failed = False
     try:
         result = fn(rank, world_size, *args)
         torch.save(result, os.path.join(out_dir, f"result{rank}.pt"))
     except BaseException:
+        failed = True
         with open(os.path.join(out_dir, f"error{rank}.txt"), "w") as f:
             f.write(traceback.format_exc())
     finally:
-        for marker in ([f"retire{rank}"] if _reset_process_state() else []) + [f"done{rank}"]:
+        for marker in ([f"retire{rank}"] if _reset_process_state(failed) else []) + [f"done{rank}"]:
             with open(os.path.join(out_dir, marker), "w"):
                 pass
 
@@ -91,18 +93,30 @@ def _run_task(rank: int, world_size: int, fn, args, out_dir: str) -> None:
 MAX_THREADS = 150  # a pooled process retires past this many threads (see _reset_process_state)
 
 
-def _reset_process_state() -> bool:
+def _reset_process_state(failed: bool = False) -> bool:
     """Undo what a task may have set up; return whether this process should retire.
 
-    megatron's groups are kept for the next task of the same layout (groups.py); the
-    attention-backend variables megatron-core's GPTModel exports are cleared. Groups that
-    are replaced leave their gloo threads behind (each wakes every 10 ms to poll), so a
-    process that has gathered too many retires and the pool starts afresh."""
+    megatron's groups are kept for the next task of the same layout (groups.py), unless the
+    task failed (its layout may be half built) or the process holds too many threads: each
+    gloo group keeps threads that wake every 10 ms to poll, so then the groups are destroyed,
+    and a process still past MAX_THREADS retires (the pool starts afresh). The
+    attention-backend variables megatron-core's GPTModel exports are cleared."""
     gc.collect()
     torch.use_deterministic_algorithms(False)
     for name in ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN"):  # GPTModel sets these per backend
         os.environ.pop(name, None)
-    return len(os.listdir("/proc/self/task")) > MAX_THREADS if os.path.isdir("/proc/self/task") else False
+    if failed or _threads() > MAX_THREADS:
+        try:
+            from ..groups import forget_layout
+
+            forget_layout()
+        except Exception:  # a group that cannot be destroyed: start this process afresh
+            return True
+    return _threads() > MAX_THREADS
+
+
+def _threads() -> int:
+    return len(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else 0
 
 
 def _fresh_entry(rank, world_size, port, threads, fn, args, out_dir):
@@ -172,7 +186,10 @@ class WorkerPool:
             try:
                 return _collect(out_dir, self.world_size, "pool")
             except RuntimeError:
-                self.close(kill=True)  # a failed rank may have left the others' collectives in any state
+                # A failed rank may have left the others' collectives in any state; a lone rank
+                # has no others, and its task's groups are gone (_reset_process_state).
+                if self.world_size > 1:
+                    self.close(kill=True)
                 raise
             finally:
                 if any(f.startswith("retire") for f in os.listdir(out_dir)):

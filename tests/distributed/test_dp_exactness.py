@@ -264,3 +264,34 @@ def test_views_into_released_units_stay_valid():
     for r in run_workers(2, _view_worker):
         assert r["intact"] and r["released"]
         assert r["prefetch"] == (True, True)
+
+
+def _freed_worker(rank, world_size):
+    import gc
+    import os
+    import weakref
+
+    from megatron_mfsdp import MatrixFSDP, MatrixFSDPConfig, get_megatron_optimizer
+
+    init_megatron()
+    config, model = tiny_gpt()
+    ddp = MatrixFSDP(config, MatrixFSDPConfig(), model)
+    opt = get_megatron_optimizer(optimizer_config(), [ddp])
+    lm_loss(ddp, micro_batch(1, 0, rank), 1).backward()
+    ddp.finish_grad_sync()
+    opt.step()
+    wrapper, param = weakref.ref(ddp), weakref.ref(next(model.parameters()))
+    del config, model, ddp, opt
+    gc.collect()
+    return {"freed": (wrapper() is None, param() is None), "threads": len(os.listdir("/proc/self/task"))}
+
+
+def test_a_wrapper_nothing_refers_to_is_freed_with_its_model():
+    """The gradient hooks on the parameters live in C++, where the collector does not look: a hook
+    holding its wrapper strongly kept the model (and its groups' polling threads) alive for the
+    life of the process. Run twice: the thread count does not grow."""
+    first = run_workers(2, _freed_worker)
+    second = run_workers(2, _freed_worker)
+    for a, b in zip(first, second):
+        assert a["freed"] == b["freed"] == (True, True)
+        assert b["threads"] <= a["threads"]

@@ -188,3 +188,28 @@ def test_a_layout_change_destroys_the_old_groups():
         print(f"\n(threads, groups) after each of six layouts: {counts}")
         assert [g for _, g in counts[2:]] == [g for _, g in counts[:2]] * 2, counts
         assert max(t for t, _ in counts[2:]) <= max(t for t, _ in counts[:2]) + 5, counts
+
+
+def _failing_worker(rank, world_size):
+    from megatron_mfsdp.groups import initialize_model_parallel
+
+    initialize_model_parallel(1, 1, create_gloo_process_groups=False)
+    raise ValueError("a task that fails after building its layout")
+
+
+def _pid_worker(rank, world_size):
+    import os
+
+    from torch.distributed import distributed_c10d as c10d
+
+    return os.getpid(), len(c10d._world.pg_map)
+
+
+def test_a_lone_rank_pool_survives_a_failed_task_without_its_groups():
+    """A pool of one rank is kept after a task fails (no other rank can be out of step; the tests
+    that expect errors restarted it each time, seconds apiece), with the failed task's groups gone."""
+    before = run_workers(1, _pid_worker)[0]
+    with pytest.raises(RuntimeError, match="a task that fails"):
+        run_workers(1, _failing_worker)
+    after = run_workers(1, _pid_worker)[0]
+    assert after == (before[0], 1), (before, after)  # the same process, holding the world group alone
