@@ -37,7 +37,6 @@ def deferred_compile(fn: Callable | None = None, **options):
             built.append(fn if _jit_disabled() else _COMPILE(fn, **options))
         return built[0](*args, **kwargs)
 
-    call.__wrapped_uncompiled__ = fn
     return call
 
 
