@@ -277,6 +277,7 @@ def parse_args(argv=None):
 
 def main(argv=None) -> None:
     from megatron_mfsdp.testing import run_workers
+    from megatron_mfsdp.testing.workers import close_pools
 
     a = parse_args(argv)
     flags = model_flags(a)
@@ -289,6 +290,7 @@ def main(argv=None) -> None:
             argv = [*flags, *extra, "--global-batch-size", str(a.micro_batch_size * world)]
             ranks = run_workers(world, _worker, argv, threads=a.threads, timeout=3600)
             rows[mode] = summarize(ranks, a.warmup)
+        close_pools()  # idle pooled ranks poll (about 5% of a core each): none while the next run is timed
         print_world(world, rows)
         if a.paper_checkout:
             print_paper(world, run_paper(a, world), rows["ours"])
