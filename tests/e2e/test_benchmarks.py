@@ -32,6 +32,18 @@ def test_optimizer_step_benchmark_quick():
     assert diffs and all(float(a) < 1e-5 and float(b) < 1e-5 for a, b in diffs)
 
 
+def test_end_to_end_benchmark_quick():
+    """ours, even (the paper's baseline) and plain DP on one tiny model: ours moves no tensor in
+    its step and even does; ours and even give bitwise the same losses and hold the same state."""
+    out = _run("bench_end_to_end.py", "--quick")
+    result = dict(kv.split("=") for kv in re.search(r"^RESULT W=2 (.*)$", out, re.M).group(1).split())
+    assert result["ours_step_tensor_collectives"] == "0" and int(result["even_step_tensor_collectives"]) > 0
+    even = re.search(r"^even/ours: .*persistent memory ([\d.]+)x.*max \|loss ours - even\| = ([\d.e+-]+)$", out, re.M)
+    assert even and float(even.group(1)) == 1.0 and float(even.group(2)) == 0.0, out[-2000:]
+    ddp = re.search(r"^ddp/ours: .*max \|loss ours - ddp\| = ([\d.e+-]+)$", out, re.M)
+    assert ddp and float(ddp.group(1)) < 1e-5
+
+
 def test_memory_per_rank_table():
     out = _run(
         "memory_per_rank.py",
