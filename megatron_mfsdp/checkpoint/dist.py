@@ -144,11 +144,15 @@ def load_state_dict(request: dict, folder: str, strict: str) -> dict:
     if dist.get_rank() == 0 and (missing or unexpected):
         print(
             f"--dist-ckpt-strictness {strict}: {folder} has {len(missing)} key(s) this run did not ask for "
-            f"({', '.join(sorted(missing)[:5])}{' ...' if len(missing) > 5 else ''}) and lacks {len(unexpected)} it "
-            f"asked for ({', '.join(sorted(unexpected)[:5])}{' ...' if len(unexpected) > 5 else ''})",
+            f"({_first_keys(missing)}) and lacks {len(unexpected)} it asked for ({_first_keys(unexpected)})",
             flush=True,
         )
     return loaded
+
+
+def _first_keys(keys, shown: int = 5) -> str:
+    """The first ``shown`` of ``keys`` in sorted order, and '...' if there are more."""
+    return ", ".join(sorted(keys)[:shown]) + (" ..." if len(keys) > shown else "")
 
 
 def copy_loaded(request, loaded) -> None:
