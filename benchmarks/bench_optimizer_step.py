@@ -89,7 +89,7 @@ def _worker(rank, world, a):
         num_query_groups=a["num_query_groups"],
     )
     model = build_gpt_model(config, vocab_size=a["vocab_size"], max_sequence_length=a["seq_length"])
-    ns = NewtonSchulzCost(a["ns_steps"], a["ns_dtype"], "auto")
+    ns = NewtonSchulzCost(a["ns_steps"], a["ns_dtype"], "auto", on_cpu=True)
     ddp = MatrixFSDP(
         config, MatrixFSDPConfig(planner=a["planner"], muon_split_qkv=a["split_qkv"], newton_schulz=ns), model
     )

@@ -65,7 +65,7 @@ MICRO_BATCHES = 1  # assumed: no gradient accumulation (the step is paid once pe
 ACT_CKPT_PASSES = 4  # forward + recomputed forward + backward (2x): 4 forward-equivalents of flops
 NS_STEPS = 5  # Newton-Schulz iterations (Megatron-LM's --muon-num-ns-steps default)
 GPU_NS = NewtonSchulzCost(NS_STEPS, "bf16", "auto")  # on CUDA: bf16, so the standard iteration
-CPU_NS = NewtonSchulzCost(NS_STEPS, "fp32", "auto")  # bench_optimizer_step.py's: Gram-space where it pays
+CPU_NS = NewtonSchulzCost(NS_STEPS, "fp32", "auto", on_cpu=True)  # bench_optimizer_step.py's: Gram, symmetric products
 PARAM_BYTES = 2  # bf16 parameters: the bytes of a forward/backward gather
 GRAD_REDUCE_BYTES = 4  # fp32 gradient reduction (MatrixFSDPConfig grad_reduce_in_fp32 default)
 RECON_GATHER_BYTES = 4  # reconstruction gathers the fp32 Nesterov direction (testing/baselines.py)

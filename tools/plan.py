@@ -179,7 +179,7 @@ def specs_from_args(args) -> list:
     shape = SimpleNamespace(
         num_attention_heads=args.num_attention_heads, num_query_groups=groups, kv_channels=args.kv_channels
     )
-    runtime = runtime_config(args)
+    runtime = runtime_config(args, on_cpu=False)  # costed as a GPU cluster runs Newton-Schulz
     specs = unit_specs(meta_units(model_shapes(args)), runtime, GPT_ADAPTER, shape)
     mode = getattr(args, "split_qkv_owners", "whole")
     return split_qkv_blocks(specs, mode, registry.rule_set(args.param_rules, ns=runtime.newton_schulz).cost)

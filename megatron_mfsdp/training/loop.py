@@ -156,13 +156,16 @@ def _set_up(args):
 
 
 def _ns_algorithm(args) -> str:
-    """--muon-ns-algorithm as it acts in this run (optim/muon.py auto_may_use_gram)."""
-    from ..optim.muon import NS_DTYPES, auto_may_use_gram
+    """--muon-ns-algorithm as it acts in this run (optim/muon.py auto_may_use_gram, uses_symmetric)."""
+    from ..optim.muon import NS_DTYPES, SYMMETRIC_MIN_ROWS, auto_may_use_gram
 
-    if args.muon_ns_algorithm != "auto":
-        return args.muon_ns_algorithm
-    gram = auto_may_use_gram(NS_DTYPES[args.muon_ns_dtype])
-    return "auto: gram where it needs fewer flops" if gram else "auto: standard"
+    algorithm = args.muon_ns_algorithm
+    if algorithm == "auto":
+        gram = auto_may_use_gram(NS_DTYPES[args.muon_ns_dtype])
+        algorithm = "auto: gram where it needs fewer flops" if gram else "auto: standard"
+    if args.muon_ns_algorithm != "standard" and not torch.cuda.is_available():
+        algorithm += f", symmetric products by block rows where the short side is >= {SYMMETRIC_MIN_ROWS}"
+    return algorithm
 
 
 def _mfsdp_settings(args, chunk) -> str:

@@ -30,7 +30,9 @@ def backend(args) -> str:
     return REPLICATED if args.optimizer == "muon" else MEGATRON_DDP
 
 
-def runtime_config(args) -> MatrixFSDPConfig:
+def runtime_config(args, on_cpu: bool | None = None) -> MatrixFSDPConfig:
+    """The runtime config of the flags; ``on_cpu`` (default: no GPU here) is where the optimizer
+    steps, which the planner's Newton-Schulz cost follows (tools/plan.py plans for GPUs)."""
     # Megatron-LM reduces bf16 gradients in fp32 unless --grad-reduce-in-bf16, fp16 ones in fp16 unless
     # --accumulate-allreduce-grads-in-fp32 (validate_args); the owner accumulates in fp32 either way.
     low_precision = args.bf16 or args.fp16
@@ -39,7 +41,7 @@ def runtime_config(args) -> MatrixFSDPConfig:
         planner=args.mfsdp_planner,
         layout=args.mfsdp_layout,
         muon_split_qkv=args.muon_split_qkv,
-        newton_schulz=NewtonSchulzCost.of(args),
+        newton_schulz=NewtonSchulzCost.of(args, not torch.cuda.is_available() if on_cpu is None else on_cpu),
         verify_collectives=args.mfsdp_verify_collectives,
         grad_reduce_in_fp32=args.accumulate_allreduce_grads_in_fp32 or not low_precision,
         prefetch_depth=args.mfsdp_prefetch_depth,

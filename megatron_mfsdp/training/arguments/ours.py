@@ -77,7 +77,8 @@ def add_muon_args(p: argparse.ArgumentParser) -> None:
         help="ours: standard iterates X (torch.optim.Muon's op order); gram iterates the small Gram "
         "matrix, the same polynomial in fewer flops when one side is > 1.5x the other (less stable in bf16); "
         "auto: gram per matrix in fp32 where it needs fewer flops, standard in bf16 and with "
-        "--muon-tp-mode distributed",
+        "--muon-tp-mode distributed; on a CPU auto and gram compute the symmetric products "
+        "(X X^T, the Gram polynomials) by block rows, 0.625 of their multiply-adds",
     )
     _add_deprecated_muon_args(g)
 
