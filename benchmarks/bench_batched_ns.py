@@ -72,6 +72,7 @@ def main() -> None:
             muon_num_ns_steps=5,
             muon_coefficient_type="quintic",
             muon_ns_dtype=dtype,
+            muon_ns_algorithm="standard",  # the same kernel both ways (benchmarks/bench_ns_kernels.py compares kernels)
             muon_scale_mode="spectral",
             muon_extra_scale_factor=0.2,
         )

@@ -94,3 +94,17 @@ def test_scaling_model_quick(tmp_path):
     h = re.search(rf"^HYBRID .*gather_lat_ms full={num} hybrid={num} reduce_ms full={num} hybrid={num}", out, re.M)
     assert float(h.group(2)) < float(h.group(1)) and float(h.group(4)) < float(h.group(3)), h.group(0)
     assert png.stat().st_size > 10_000
+
+
+def test_newton_schulz_kernel_benchmarks_run():
+    """bench_ns_kernels.py prints a ratio per kernel and dtype; bench_batched_ns.py runs (its
+    config once lacked --muon-ns-algorithm and nothing ran it). Small shapes: the figures are the
+    closing notes' (hidden 512); at 256 the symmetric products do run."""
+    out = _run("bench_ns_kernels.py", "--hidden", "256", "--layers", "1", "--rounds", "1")
+    for dtype in ("fp32", "bf16"):
+        ratios = re.search(rf"^RESULT dtype={dtype} standard_over: (.*)$", out, re.M)
+        assert ratios, out[-2000:]
+        names = [kv.split("=")[0] for kv in ratios.group(1).split()]
+        assert names == ["standard+sym", "gram", "gram+sym", "auto"]
+    out = _run("bench_batched_ns.py", "--layers", "1", "--hidden", "64", "--repeats", "1")
+    assert out.count("bitwise equal") == 3, out
