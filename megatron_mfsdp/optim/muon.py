@@ -162,8 +162,10 @@ def symmetric_product(
     """``left @ right`` (or ``beta * bias + alpha * left @ right``) for a product known to be
     symmetric (X X^T, a polynomial times a polynomial of the same Gram matrix): the upper triangle
     by :data:`SYMMETRIC_BLOCKS` block rows, mirrored below. Each entry is the same dot product
-    as in the whole product, for (k + 1) / 2k of its multiply-adds; the result is exactly
-    symmetric. Measured 7% (bf16) to 17% (fp32) off a Newton-Schulz run on this project's CPUs."""
+    as in the whole product, for (k + 1) / 2k of its multiply-adds. Off the diagonal blocks the
+    result is exactly symmetric; those blocks are as BLAS computes them, as in the whole product
+    (making them symmetric too cost a quarter of the time saved). benchmarks/bench_ns_kernels.py
+    measures the gain on a Newton-Schulz run."""
     m = left.shape[0]
     rows = -(-m // SYMMETRIC_BLOCKS)
     out = torch.empty(m, m, dtype=left.dtype, device=left.device)
@@ -175,8 +177,6 @@ def symmetric_product(
             block = torch.addmm(bias[s:e, s:], left[s:e], right[:, s:], beta=beta, alpha=alpha)
         out[s:e, s:] = block
         out[e:, s:e] = block[:, e - s :].T
-        diagonal = out[s:e, s:e]  # BLAS need not round (i, j) and (j, i) alike: keep the upper one
-        diagonal.copy_(diagonal.triu() + diagonal.triu(1).T)
     return out
 
 

@@ -26,17 +26,19 @@ def _error(x: torch.Tensor, ref: torch.Tensor) -> float:
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", [256, 300])
 def test_symmetric_product_is_the_whole_product_mirrored(dtype, rows):
-    """X X^T and b A + c A A by block rows: exactly symmetric, equal to the whole product within
-    one rounding of the dtype (each entry is the same dot product; bitwise where BLAS sums a block
-    row as it sums the whole product: bf16 on the development CPU)."""
+    """X X^T and b A + c A A by block rows: exactly symmetric off the diagonal blocks, equal to the
+    whole product within one rounding of the dtype (each entry is the same dot product; bitwise
+    where BLAS sums a block row as it sums the whole product: bf16 on the development CPU)."""
     gen = torch.Generator().manual_seed(rows)
     x = (torch.randn(rows, 3 * rows, generator=gen) / (3 * rows) ** 0.5).to(dtype)  # unit diagonal
+    block = torch.arange(rows) // -(-rows // muon.SYMMETRIC_BLOCKS)
+    mirrored = block[:, None] != block[None, :]
     gram = muon.symmetric_product(x, x.T)
-    assert torch.equal(gram, gram.T)
+    assert torch.equal(gram[mirrored], gram.T[mirrored])
     tol = {torch.float32: 1e-5, torch.bfloat16: 1e-2}[dtype]
     torch.testing.assert_close(gram, x @ x.T, rtol=tol, atol=tol)
     poly = muon.symmetric_product(gram, gram, gram, beta=-4.775, alpha=2.0315)
-    assert torch.equal(poly, poly.T)
+    assert torch.equal(poly[mirrored], poly.T[mirrored])
     torch.testing.assert_close(poly, torch.addmm(gram, gram, gram, beta=-4.775, alpha=2.0315), rtol=tol, atol=tol)
     # Control: the mirror is only right for a symmetric product; X times another matrix is not.
     other = torch.randn(3 * rows, rows, generator=gen).to(dtype)
