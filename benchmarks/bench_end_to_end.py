@@ -35,6 +35,7 @@ gc.collect() its optimizer's zero_grad makes every step; the line without it is 
     .venv/bin/python benchmarks/bench_end_to_end.py            # W = 2 and 4, 4 layers, hidden 512
     .venv/bin/python benchmarks/bench_end_to_end.py --quick    # CI smoke: tiny model, W = 2
     .venv/bin/python benchmarks/bench_end_to_end.py --modes ours --paper-checkout ../matrix-fsdp --ns-dtype bf16
+    .venv/bin/python benchmarks/bench_end_to_end.py --rounds 4 ...   # medians of 4 alternating rounds
 """
 
 from __future__ import annotations
@@ -185,13 +186,29 @@ def print_world(world: int, rows: dict) -> None:
             f"max |loss ours - {other}| = {max(abs(a - b) for a, b in zip(ours['losses'], r['losses'])):.3e}"
         )
     counts = " ".join(f"{m}_step_tensor_collectives={r['step_tensor_collectives']}" for m, r in rows.items())
-    ratios = " ".join(
-        f"iter_{m}_over_ours={rows[m]['iter_ms'] / ours['iter_ms']:.3f} "
-        f"step_{m}_over_ours={rows[m]['step_ms'] / ours['step_ms']:.3f}"
-        for m in ("even", "ddp")
-        if m in rows
-    )
+    ratios = " ".join(f"{k}={v:.3f}" for k, v in mode_ratios(rows).items())
     print(f"RESULT W={world} {counts} {ratios}")
+
+
+def mode_ratios(rows: dict) -> dict[str, float]:
+    """Iteration and step time of each baseline over ours (> 1: ours is faster)."""
+    ours = rows["ours"]
+    out = {}
+    for m in [m for m in ("even", "ddp") if m in rows]:
+        out[f"iter_{m}_over_ours"] = rows[m]["iter_ms"] / ours["iter_ms"]
+        out[f"step_{m}_over_ours"] = rows[m]["step_ms"] / ours["step_ms"]
+    return out
+
+
+def print_medians(world: int, ratios: dict[str, list[float]]) -> None:
+    """Each ratio's median over the rounds, with the rounds' values: one run's ratio on a shared
+    machine moves by up to 0.3, the median of rounds that alternate the codes much less."""
+    rounds = len(next(iter(ratios.values()), []))
+    print(f"\nW={world}, medians over {rounds} rounds (each round's value in brackets)")
+    for k, v in ratios.items():
+        print(f"  {k:>32} {statistics.median(v):.3f}  [{', '.join(f'{x:.3f}' for x in v)}]")
+    medians = " ".join(f"{k}={statistics.median(v):.3f}" for k, v in ratios.items())
+    print(f"RESULT_MEDIAN W={world} rounds={rounds} {medians}")
 
 
 PAPER_MODE = "matrix_owner_muon_role_greedy_custom_collective"
@@ -227,17 +244,23 @@ def run_paper(a, world: int) -> dict:
     return {h: float(v) for h, v in zip(header, row) if h.endswith("_ms")}
 
 
+def paper_ratios(paper: dict, ours: dict) -> dict[str, float]:
+    """The paper's step and whole step (with and without its gc.collect) over ours."""
+    total, step, zero = paper["total_ms"], paper["step_ms"], paper["zero_ms"]
+    return {
+        "step_paper_over_ours": step / ours["step_ms"],
+        "iter_paper_over_ours": total / ours["iter_ms"],
+        "iter_paper_without_gc_over_ours": (total - zero) / ours["iter_ms"],
+    }
+
+
 def print_paper(world: int, paper: dict, ours: dict) -> None:
     total, step, zero = paper["total_ms"], paper["step_ms"], paper["zero_ms"]
     print(
         f"paper owner mode: whole step {total:.1f} ms ({total - zero:.1f} without its zero_grad's gc.collect "
         f"{zero:.1f}), optimizer step {step:.1f} ms"
     )
-    print(
-        f"RESULT_PAPER W={world} step_paper_over_ours={step / ours['step_ms']:.3f} "
-        f"iter_paper_over_ours={total / ours['iter_ms']:.3f} "
-        f"iter_paper_without_gc_over_ours={(total - zero) / ours['iter_ms']:.3f}"
-    )
+    print(f"RESULT_PAPER W={world} " + " ".join(f"{k}={v:.3f}" for k, v in paper_ratios(paper, ours).items()))
 
 
 def parse_args(argv=None):
@@ -264,6 +287,12 @@ def parse_args(argv=None):
     p.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES), help="ours is always run")
     p.add_argument("--paper-checkout", default=None, help="a songbingze/matrix-fsdp checkout: run its owner mode too")
     p.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="repeat every run this often per world size, alternating the codes, and print each ratio's median",
+    )
+    p.add_argument(
         "--muon-no-split-qkv",
         action="store_true",
         help="orthogonalize the fused QKV matrix whole (the paper's math) instead of Q, K, V apart (Megatron's)",
@@ -272,6 +301,8 @@ def parse_args(argv=None):
     if a.quick:
         a.num_layers, a.hidden_size, a.heads, a.seq_length, a.vocab_size, a.iters, a.warmup = 2, 64, 4, 32, 256, 2, 1
     a.world_sizes = a.world_sizes or ([2] if a.quick else [2, 4])
+    if a.rounds < 1:
+        p.error(f"--rounds must be >= 1, got {a.rounds}")
     return a
 
 
@@ -283,17 +314,26 @@ def main(argv=None) -> None:
     flags = model_flags(a)
     print(f"bench_end_to_end: {' '.join(flags)}")
     for world in a.world_sizes:
-        rows = {}
-        for mode, extra in MODES.items():
-            if mode != "ours" and mode not in a.modes:
-                continue
-            argv = [*flags, *extra, "--global-batch-size", str(a.micro_batch_size * world)]
-            ranks = run_workers(world, _worker, argv, threads=a.threads, timeout=3600)
-            rows[mode] = summarize(ranks, a.warmup)
-        close_pools()  # idle pooled ranks poll (about 5% of a core each): none while the next run is timed
-        print_world(world, rows)
-        if a.paper_checkout:
-            print_paper(world, run_paper(a, world), rows["ours"])
+        ratios: dict[str, list[float]] = {}
+        for _ in range(a.rounds):
+            rows = {}
+            for mode, extra in MODES.items():
+                if mode != "ours" and mode not in a.modes:
+                    continue
+                argv = [*flags, *extra, "--global-batch-size", str(a.micro_batch_size * world)]
+                ranks = run_workers(world, _worker, argv, threads=a.threads, timeout=3600)
+                rows[mode] = summarize(ranks, a.warmup)
+            close_pools()  # idle pooled ranks poll (about 5% of a core each): none while the next run is timed
+            print_world(world, rows)
+            found = mode_ratios(rows)
+            if a.paper_checkout:
+                paper = run_paper(a, world)
+                print_paper(world, paper, rows["ours"])
+                found.update(paper_ratios(paper, rows["ours"]))
+            for k, v in found.items():
+                ratios.setdefault(k, []).append(v)
+        if a.rounds > 1 and ratios:
+            print_medians(world, ratios)
 
 
 if __name__ == "__main__":

@@ -34,9 +34,20 @@ def test_optimizer_step_benchmark_quick():
 
 def test_end_to_end_benchmark_quick():
     """ours, even (the paper's baseline) and plain DP on one tiny model: ours moves no tensor in
-    its step and even does; ours and even give bitwise the same losses and hold the same state."""
-    out = _run("bench_end_to_end.py", "--quick")
-    result = dict(kv.split("=") for kv in re.search(r"^RESULT W=2 (.*)$", out, re.M).group(1).split())
+    its step and even does; ours and even give bitwise the same losses and hold the same state.
+    Two rounds: the printed medians are the medians of the rounds' ratios."""
+    out = _run("bench_end_to_end.py", "--quick", "--rounds", "2")
+    rounds = [dict(kv.split("=") for kv in line.split()) for line in re.findall(r"^RESULT W=2 (.*)$", out, re.M)]
+    medians = dict(kv.split("=") for kv in re.search(r"^RESULT_MEDIAN W=2 rounds=2 (.*)$", out, re.M).group(1).split())
+    assert len(rounds) == 2 and set(medians) == {
+        "iter_even_over_ours",
+        "step_even_over_ours",
+        "iter_ddp_over_ours",
+        "step_ddp_over_ours",
+    }
+    for key, median in medians.items():
+        assert abs(float(median) - sum(float(r[key]) for r in rounds) / 2) < 2e-3, (key, median, rounds)
+    result = rounds[-1]
     assert result["ours_step_tensor_collectives"] == "0" and int(result["even_step_tensor_collectives"]) > 0
     even = re.search(r"^even/ours: .*persistent memory ([\d.]+)x.*max \|loss ours - even\| = ([\d.e+-]+)$", out, re.M)
     assert even and float(even.group(1)) == 1.0 and float(even.group(2)) == 0.0, out[-2000:]
