@@ -28,22 +28,15 @@ from megatron_mfsdp.optim import muon  # noqa: E402
 def kernels(dtype: torch.dtype) -> dict:
     """name -> kernel of one matrix (5 steps, torch's 'simple' coefficients)."""
 
-    def run(algorithm: str, symmetric: bool):
-        def one(g):
-            if algorithm == "auto":
-                return muon.orthogonalize(g, 5, "simple", dtype, "auto")
-            gram = algorithm == "gram" and g.dim() == 2
-            kernel = muon.newton_schulz_gram if gram else muon.newton_schulz
-            return kernel(g, 5, "simple", dtype, symmetric=symmetric)
-
-        return one
+    def run(kernel, symmetric: bool):
+        return lambda g: kernel(g, 5, "simple", dtype, symmetric=symmetric)
 
     return {
-        "standard": run("standard", False),
-        "standard+sym": run("standard", True),
-        "gram": run("gram", False),
-        "gram+sym": run("gram", True),
-        "auto": run("auto", True),
+        "standard": run(muon.newton_schulz, False),
+        "standard+sym": run(muon.newton_schulz, True),
+        "gram": run(muon.newton_schulz_gram, False),
+        "gram+sym": run(muon.newton_schulz_gram, True),
+        "auto": lambda g: muon.orthogonalize(g, 5, "simple", dtype, "auto"),
     }
 
 

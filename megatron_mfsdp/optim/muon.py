@@ -145,13 +145,10 @@ def newton_schulz(
         raise ValueError(f"newton_schulz expects a 2D matrix, got shape {tuple(grad.shape)}")
     schedule = ns_coefficients_for(coefficient_type, steps)
     x, transposed = _wide_unit(grad, ns_dtype, eps)
+    mm, addmm = _products(symmetric)
     for a, b, c in schedule:
-        if symmetric:
-            gram = symmetric_product(x, x.T)
-            poly = symmetric_product(gram, gram, gram, beta=b, alpha=c)
-        else:
-            gram = x @ x.T
-            poly = torch.addmm(gram, gram, gram, beta=b, alpha=c)  # b A + c A A
+        gram = mm(x, x.T)
+        poly = addmm(gram, gram, gram, beta=b, alpha=c)  # b A + c A A
         x = torch.addmm(x, poly, x, beta=a)  # a X + poly X
     return _restored(x, transposed)
 
@@ -167,10 +164,8 @@ def symmetric_product(
     (making them symmetric too cost a quarter of the time saved). benchmarks/bench_ns_kernels.py
     measures the gain on a Newton-Schulz run."""
     m = left.shape[0]
-    rows = -(-m // SYMMETRIC_BLOCKS)
     out = torch.empty(m, m, dtype=left.dtype, device=left.device)
-    for s in range(0, m, rows):
-        e = min(m, s + rows)
+    for s, e in _row_blocks(m):
         if bias is None:
             block = left[s:e] @ right[:, s:]
         else:
@@ -180,10 +175,23 @@ def symmetric_product(
     return out
 
 
+def _row_blocks(m: int) -> list[tuple[int, int]]:
+    """[start, end) of the :data:`SYMMETRIC_BLOCKS` row blocks of an m x m symmetric product."""
+    rows = -(-m // SYMMETRIC_BLOCKS)
+    return [(s, min(m, s + rows)) for s in range(0, m, rows)]
+
+
 def symmetric_multiply_adds(m: int, inner: int) -> int:
     """Multiply-adds of :func:`symmetric_product` of an (m, inner) by an (inner, m) matrix."""
-    rows = -(-m // SYMMETRIC_BLOCKS)
-    return sum((min(m, s + rows) - s) * (m - s) * inner for s in range(0, m, rows))
+    return sum((e - s) * (m - s) * inner for s, e in _row_blocks(m))
+
+
+def _products(symmetric: bool):
+    """(product, bias + product in torch.addmm's argument order) for the products a Newton-Schulz
+    iteration knows to be symmetric: :func:`symmetric_product`'s, or torch's whole ones."""
+    if not symmetric:
+        return torch.matmul, _addmm
+    return symmetric_product, lambda bias, m1, m2, beta, alpha: symmetric_product(m1, m2, bias, beta, alpha)
 
 
 def _wide_unit(grad: Tensor, ns_dtype: torch.dtype, eps: float) -> tuple[Tensor, bool]:
@@ -210,14 +218,11 @@ def _gram_segment(x: Tensor, coefficients: Sequence[Coefficients], symmetric: bo
     P_k = a I + b G_k + c G_k^2 are m x m and commute: Q_{k+1} = P_k Q_k, G_{k+1} = P_k P_k G_k.
     Only the first product (G) and the last (Q X) touch n. Every other product is symmetric (of
     commuting symmetric matrices), so ``symmetric`` computes each by :func:`symmetric_product`."""
-    mm = symmetric_product if symmetric else torch.matmul
+    mm, addmm = _products(symmetric)
     gram = mm(x, x.mT)
     q = None
     for i, (a, b, c) in enumerate(coefficients):
-        if symmetric:
-            poly = symmetric_product(gram, gram, gram, beta=b, alpha=c)  # b G + c G G
-        else:
-            poly = _addmm(gram, gram, gram, beta=b, alpha=c)
+        poly = addmm(gram, gram, gram, beta=b, alpha=c)  # b G + c G G
         poly.diagonal(dim1=-2, dim2=-1).add_(a)
         q = poly if q is None else mm(poly, q)
         if i + 1 < len(coefficients):
