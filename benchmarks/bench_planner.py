@@ -17,8 +17,9 @@ run the flags give (5 steps in bf16, standard iteration, unless --ns-flags says 
 by m*n*min(m, n) per block, the leading term the planner used before (issue 11's figures).
 
 --split-qkv-owners plans the Q, K and V blocks of each linear_qkv as items of their own
-(placement/blocks.py), in the planner's model only: the runtime does not place them apart
-yet, and nothing here reaches the training path.
+(placement/blocks.py): contiguous where a TP shard holds one query group, as training does with
+--mfsdp-split-qkv-owners contiguous; all also where groups interleave them (a preview: training
+keeps those whole).
 """
 
 from __future__ import annotations
@@ -133,7 +134,7 @@ def main() -> None:
         choices=["whole", "contiguous", "all"],
         default="whole",
         help="plan Q, K and V blocks as separate matrices ('contiguous': only where a TP shard holds one "
-        "query group). Planner model only: the runtime does not support split ownership yet",
+        "query group, as --mfsdp-split-qkv-owners contiguous trains; 'all': everywhere, a preview)",
     )
     p.add_argument("--ns-flags", default="", help="Newton-Schulz flags for every case, e.g. '--muon-ns-dtype fp32'")
     p.add_argument(

@@ -15,6 +15,7 @@ from megatron.core.optimizer import OptimizerConfig
 
 from .optim.muon import NS_ALGORITHMS, NS_COEFFICIENTS, NS_DTYPES, SCALE_MODES, NewtonSchulzCost
 from .optim.muon_tp import TP_MODES
+from .placement.blocks import RUNTIME_MODES as QKV_OWNER_MODES
 from .placement.planner import POLICIES
 from .placement.rules import LAYOUTS
 from .precision.fp8 import Fp8Config
@@ -44,6 +45,11 @@ class MatrixFSDPConfig:
 
     muon_split_qkv: bool = True
     """Plan and update QKV matrices as separate Q, K, V blocks; must equal the optimizer config's."""
+
+    split_qkv_owners: str = field(default="whole", metadata={"choices": QKV_OWNER_MODES})
+    """'whole': a linear_qkv weight's Q, K and V on one owner; 'contiguous': each on an owner of its
+    own where a TP shard holds one query group (so they are row ranges; placement/blocks.py). Needs
+    the QKV split (the blocks are updated apart anyway) and the owner layout, without FP8."""
 
     newton_schulz: NewtonSchulzCost = field(default_factory=NewtonSchulzCost)
     """The Newton-Schulz run (steps, dtype, algorithm) the planner costs each Muon matrix by; take it
@@ -93,6 +99,15 @@ class MatrixFSDPConfig:
         if self.max_reduces_in_flight < 1:
             raise ValueError(f"max_reduces_in_flight must be at least 1, got {self.max_reduces_in_flight}")
         _check_choice(self.layout, LAYOUTS, "--mfsdp-layout", "layout")
+        _check_choice(self.split_qkv_owners, QKV_OWNER_MODES, "--mfsdp-split-qkv-owners", "Q/K/V owner mode")
+        if self.split_qkv_owners != "whole":
+            flag = f"--mfsdp-split-qkv-owners {self.split_qkv_owners}"
+            if not self.muon_split_qkv:
+                raise ValueError(f"{flag} places Q, K and V apart, which --muon-no-split-qkv orthogonalizes together")
+            if self.layout != "owner":
+                raise ValueError(f"{flag} needs --mfsdp-layout owner (even shards have no owners)")
+            if self.fp8 is not None:
+                raise ValueError(f"{flag} does not support --fp8-param-gather (FP8 scales are per whole weight)")
         for rule in self.param_rules:
             if len(rule) != 2 or rule[1] not in registry.rule_names():
                 raise ValueError(

@@ -84,7 +84,6 @@ def model_shapes(args) -> list[tuple[str, Shapes]]:
 
 def get_parser() -> argparse.ArgumentParser:
     """pretrain_gpt.py's parser (Megatron-LM's flags and ours) plus --data-parallel-size."""
-    from megatron_mfsdp.placement.blocks import MODES
     from megatron_mfsdp.training.arguments import accepted, build_parser
     from megatron_mfsdp.training.arguments.types import positive_int
 
@@ -95,13 +94,6 @@ def get_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("tools/plan.py")
     g.add_argument(
         "--data-parallel-size", type=positive_int, required=True, help="DP ranks (world / (TP x PP)) to plan over"
-    )
-    g.add_argument(
-        "--split-qkv-owners",
-        choices=MODES,
-        default="whole",
-        help="preview: plan Q, K and V of each linear_qkv apart (contiguous: where a TP shard holds one query "
-        "group; all: everywhere). The runtime keeps them on one owner today (placement/blocks.py)",
     )
     return p
 
@@ -166,12 +158,10 @@ def meta_units(shapes) -> list:
 
 def specs_from_args(args) -> list:
     """Planner specs of the model the (validated) flags describe, by the runtime's own unit_specs
-    (with Q, K and V apart if --split-qkv-owners asks)."""
+    (with Q, K and V apart if --mfsdp-split-qkv-owners asks)."""
     from types import SimpleNamespace
 
     from megatron_mfsdp.models.gpt import GPT_ADAPTER
-    from megatron_mfsdp.optim import registry
-    from megatron_mfsdp.placement.blocks import split_qkv_blocks
     from megatron_mfsdp.runtime.wrapper import unit_specs
     from megatron_mfsdp.training.setup import runtime_config
 
@@ -180,9 +170,7 @@ def specs_from_args(args) -> list:
         num_attention_heads=args.num_attention_heads, num_query_groups=groups, kv_channels=args.kv_channels
     )
     runtime = runtime_config(args, on_cpu=False)  # costed as a GPU cluster runs Newton-Schulz
-    specs = unit_specs(meta_units(model_shapes(args)), runtime, GPT_ADAPTER, shape)
-    mode = getattr(args, "split_qkv_owners", "whole")
-    return split_qkv_blocks(specs, mode, registry.rule_set(args.param_rules, ns=runtime.newton_schulz).cost)
+    return unit_specs(meta_units(model_shapes(args)), runtime, GPT_ADAPTER, shape)
 
 
 def plan_from_args(args):

@@ -390,8 +390,10 @@ def update_scale(shape: Sequence[int], mode: str, extra_scale_factor: float) -> 
 
 
 def _qkv_groups(rows: int, split_shapes: Sequence[int]) -> int:
-    if len(split_shapes) != 3 or any(int(s) <= 0 for s in split_shapes):
-        raise ValueError(f"qkv split shapes must be 3 positive ints, got {tuple(split_shapes)}")
+    """Query groups of a matrix split by ``split_shapes``: 3 (Q, K, V of linear_qkv), or 1 for a Q, K
+    or V block that has an owner of its own (placement/blocks.py), stepped in the split op order."""
+    if len(split_shapes) not in (1, 3) or any(int(s) <= 0 for s in split_shapes):
+        raise ValueError(f"qkv split shapes must be 3 (or 1, one block) positive ints, got {tuple(split_shapes)}")
     per_group = sum(int(s) for s in split_shapes)
     if rows % per_group != 0:
         raise ValueError(
@@ -419,8 +421,8 @@ def merge_qkv(parts: Sequence[Tensor], split_shapes: Sequence[int], shape: Seque
     """Exact inverse of :func:`split_qkv`: interleave Q, K, V back per query group."""
     rows, cols = int(shape[0]), int(shape[1])
     groups = _qkv_groups(rows, split_shapes)
-    if len(parts) != 3:
-        raise ValueError(f"merge_qkv expects 3 parts, got {len(parts)}")
+    if len(parts) != len(split_shapes):
+        raise ValueError(f"merge_qkv expects {len(split_shapes)} parts, got {len(parts)}")
     blocks = []
     for part, s in zip(parts, split_shapes):
         if tuple(part.shape) != (groups * int(s), cols):

@@ -36,6 +36,11 @@ class _ShardOptimizerState:
         self.state: dict[str, dict[str, torch.Tensor]] = {}
 
 
+def _global_slot_name(chunk, slot) -> str:
+    """A slot's name in the unsplit model: its parameter's global name (with the block's suffix)."""
+    return chunk.global_names[slot.param_name] + slot.name[len(slot.param_name) :]
+
+
 def no_weight_decay(name: str, shape) -> bool:
     """megatron-core's default: biases and 1D parameters (norms) take no weight decay."""
     return name.endswith(".bias") or len(shape) == 1
@@ -155,7 +160,7 @@ class MatrixFSDPOptimizer(MegatronOptimizer):
             for unit in chunk.units:
                 for slot, param in unit.params:
                     bounds = tuple(unit.layout.param_bounds(slot))
-                    matrix = GroupMatrix(chunk.global_names[slot.name], tuple(slot.shape), slot.split_rows, bounds)
+                    matrix = GroupMatrix(_global_slot_name(chunk, slot), tuple(slot.shape), slot.split_rows, bounds)
                     members[self._group_key(config, slot, param)].append(matrix)
         return list(members.values())
 
@@ -163,19 +168,18 @@ class MatrixFSDPOptimizer(MegatronOptimizer):
         tp_rank = group_rank(self.tp_group)
         primary_replica = group_rank(chunk.groups.replica) == 0
         for unit in chunk.units:
-            params = {slot.name: p for slot, p in unit.params}
             master = self._seed_master(unit, chunk)
             for piece in unit.pieces:
-                slot, param = piece.slot, params[piece.slot.name]
+                slot, param = piece.slot, unit.by_name[piece.slot.param_name]
                 rule = self._rule_of(slot, param)
                 seg = slice(piece.segment_offset, piece.segment_offset + piece.numel)
                 shape = slot.shape if rule.storage == WHOLE else (piece.numel,)
                 tp_split = bool(getattr(param, "tensor_model_parallel", False))
                 owned = OwnedPiece(
                     slot.name,
-                    chunk.global_names[slot.name],
+                    chunk.global_names[slot.param_name],
                     rule.name,
-                    slot.numel,
+                    math.prod(unit.shapes[slot.param_name]),
                     piece.param_offset,
                     master[seg].view(shape),
                     unit.grad_segment[seg].view(shape),
@@ -422,15 +426,14 @@ class MatrixFSDPOptimizer(MegatronOptimizer):
         return [("param", owned.master)] + sorted(owned.state.items())
 
     def _sharded_groups(self) -> dict[tuple[int, str], dict[str, torch.Tensor]]:
-        """(chunk index, state name) -> {local parameter name: that state's tensor of the owned piece}."""
-        where = {
-            glob: (i, local) for i, chunk in enumerate(self.model_chunks) for local, glob in chunk.global_names.items()
-        }
+        """(chunk index, state name) -> {slot name (the local parameter name, NAME[q] for a block):
+        that state's tensor of the owned piece}."""
+        where = {glob: i for i, chunk in enumerate(self.model_chunks) for glob in chunk.global_names.values()}
         groups: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
         for _, owned in self._pieces():
-            index, local = where[owned.global_name]
+            index = where[owned.global_name]
             for tag, tensor in self._state_tensors(owned):
-                groups.setdefault((index, tag), {})[local] = tensor
+                groups.setdefault((index, tag), {})[owned.name] = tensor
         return groups
 
     def sharded_state_dict(self, model_sharded_state_dict=None, is_loading: bool = False, metadata=None):

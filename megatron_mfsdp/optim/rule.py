@@ -19,11 +19,11 @@ class OwnedPiece:
     """One parameter's part in this rank's segment, with its optimizer state. For a
     WHOLE rule the part is the whole matrix (views are 2D); for a SLICE rule a 1D slice."""
 
-    name: str  # the parameter's name in its model chunk
+    name: str  # its slot's name: the parameter's name in its model chunk (NAME[q] for a Q block placed apart)
     global_name: str  # its name in the unsplit model: unique across virtual and pipeline stages
     rule: str  # update-rule name
     param_numel: int  # elements of the whole (TP-local) parameter
-    param_offset: int
+    param_offset: int  # into the flattened parameter
     master: torch.Tensor  # fp32, a view into the master segment
     grad: torch.Tensor  # fp32, a view into the gradient segment
     state: dict[str, torch.Tensor] = field(default_factory=dict)

@@ -1,4 +1,4 @@
-"""Separate owners for the Q, K and V blocks of a linear_qkv weight: the planner side only.
+"""Separate owners for the Q, K and V blocks of a linear_qkv weight (--mfsdp-split-qkv-owners).
 
 With --muon-split-qkv (the default) Muon orthogonalizes Q, K and V as three matrices of
 (query groups x rows per group, columns) rows, independently, so nothing in the math keeps
@@ -6,13 +6,13 @@ them on one rank. Planning them as three items splits the largest attention item
 MHA GPT 24x2048 at 64 DP ranks goes from NS max/mean 1.333 to 1.111.
 
 Where a TP shard holds one query group, its Q, K and V are contiguous row ranges of the
-weight ('contiguous'); with more groups per shard they interleave per group ('all' plans
-them anyway). The runtime does not place blocks apart yet: it keeps every parameter
-contiguous in its owner's segment, so a block plan is a preview (tools/plan.py,
-benchmarks/bench_planner.py) and never reaches training. What the runtime would need:
-slots for row blocks of one parameter (layout.py), the merged weight built after the gather
-and the gradient split before the reduction (runtime/), per-block optimizer pieces (Muon on
-a plain matrix gives the same numbers as the split step) and checkpoint keys per block.
+weight ('contiguous'): each becomes a slot of its own (``param``, ``param_start``), owned,
+stored, reduced and stepped like any matrix. The runtime builds the merged weight from the
+three after each gather and hands each owner its block's rows of the gradient; the optimizer
+steps a block as the split step steps that block (its own rows per group as ``split_rows``,
+so the op order is the split step's); checkpoints keep megatron's key for the whole weight,
+each block saving its row range. With more groups per shard the blocks interleave per group:
+'all' plans them anyway, as a preview (benchmarks/bench_planner.py), and training refuses it.
 """
 
 from __future__ import annotations
@@ -23,8 +23,10 @@ from .layout import ParamSpec, UnitSpec
 from .rules import WHOLE
 
 MODES = ("whole", "contiguous", "all")
-"""whole: Q, K, V on one owner (what the runtime does); contiguous: apart where a TP shard
-holds one query group; all: apart everywhere."""
+"""whole: Q, K, V on one owner; contiguous: apart where a TP shard holds one query group (what
+training accepts besides whole); all: apart everywhere (a planning preview)."""
+
+RUNTIME_MODES = MODES[:2]
 
 BLOCK_NAMES = ("q", "k", "v")
 
@@ -41,7 +43,9 @@ def split_qkv_blocks(
 ) -> list[UnitSpec]:
     """``units`` with each split linear_qkv replaced by WHOLE specs ``NAME[q]``, ``NAME[k]``,
     ``NAME[v]`` of (groups x rows, columns), where ``mode`` allows; ``cost(rule, shape)`` is
-    the rule's planner cost of one block (the registry's). Totals of cost and elements stay."""
+    the rule's planner cost of one block (the registry's). Totals of cost and elements stay.
+    A block of one query group is rows [start, start + rows) of the weight (``param_start`` its
+    first element); interleaved blocks ('all' with more groups) get ``param_start`` -1."""
     if mode not in MODES:
         raise ValueError(f"unknown Q/K/V owner mode {mode!r}; choose one of {', '.join(MODES)}")
     out = []
@@ -52,8 +56,13 @@ def split_qkv_blocks(
             if mode == "whole" or not groups or (mode == "contiguous" and groups != 1):
                 params.append(p)
                 continue
+            first_row = 0
             for block, rows in zip(BLOCK_NAMES, p.split_rows):
                 shape = (groups * rows, p.shape[1])
-                params.append(ParamSpec(f"{p.name}[{block}]", shape, p.rule, WHOLE, cost(p.rule, shape)))
+                start = first_row * p.shape[1] if groups == 1 else -1
+                params.append(
+                    ParamSpec(f"{p.name}[{block}]", shape, p.rule, WHOLE, cost(p.rule, shape), (rows,), p.name, start)
+                )
+                first_row += rows
         out.append(UnitSpec(unit.name, params))
     return out

@@ -32,6 +32,12 @@ class ParamSpec:
     storage: str  # WHOLE or SLICE
     cost: int = 0  # planner cost (Newton-Schulz flops for Muon), 0 for the tail
     split_rows: tuple[int, ...] | None = None  # rows per group of blocks updated apart (QKV)
+    param: str | None = None  # a block of this parameter (Q, K or V placed apart); None: the whole of it
+    param_start: int = 0  # the block's first element in the flattened parameter
+
+    @property
+    def param_name(self) -> str:
+        return self.param or self.name
 
     @property
     def numel(self) -> int:
@@ -59,6 +65,12 @@ class ParamSlot:
     numel: int
     owner: int  # owning DP rank of a WHOLE parameter, -1 for the evenly split tail
     split_rows: tuple[int, ...] | None = None
+    param: str | None = None  # as ParamSpec: the parameter this slot is a row block of, None for all of it
+    param_start: int = 0  # the block's first element in the flattened parameter
+
+    @property
+    def param_name(self) -> str:
+        return self.param or self.name
 
 
 @dataclass
@@ -67,7 +79,7 @@ class LocalPiece:
 
     slot: ParamSlot
     segment_offset: int  # into this rank's segment
-    param_offset: int  # into the flattened parameter
+    param_offset: int  # into the flattened parameter (the whole one, for a block slot)
     numel: int
 
 
@@ -116,7 +128,8 @@ class UnitLayout:
             for slot in self.slots:
                 lo, hi = max(start, slot.offset), min(end, slot.offset + slot.numel)
                 if lo < hi:
-                    pieces.append(LocalPiece(slot, seg_base + lo - start, lo - slot.offset, hi - lo))
+                    at = slot.param_start + lo - slot.offset
+                    pieces.append(LocalPiece(slot, seg_base + lo - start, at, hi - lo))
         return pieces
 
 
@@ -130,7 +143,12 @@ class Plan:
 
     def digest(self) -> str:
         """A hash of everything that decides the layout; equal on every rank or training is wrong."""
-        payload = json.dumps({"world_size": self.world_size, "units": [asdict(u) for u in self.units]}, sort_keys=True)
+        units = [asdict(u) for u in self.units]
+        for unit in units:  # a slot that is a whole parameter hashes as before blocks existed
+            for slot in unit["slots"]:
+                if slot["param"] is None:
+                    del slot["param"], slot["param_start"]
+        payload = json.dumps({"world_size": self.world_size, "units": units}, sort_keys=True)
         return hashlib.sha256(payload.encode()).hexdigest()
 
     def per_rank_load(self) -> tuple[list[int], list[int]]:
@@ -175,6 +193,12 @@ def even_bounds(numel: int, world_size: int) -> list[int]:
     return bounds
 
 
+def _slot(p: ParamSpec, offset: int, owner: int) -> ParamSlot:
+    return ParamSlot(
+        p.name, tuple(p.shape), p.rule, p.storage, offset, p.numel, owner, p.split_rows, p.param, p.param_start
+    )
+
+
 def layout_units(units: Sequence[UnitSpec], world_size: int, owners: dict[str, int], policy: str) -> Plan:
     """Lay out every unit given the owner of each WHOLE parameter."""
     layouts = []
@@ -186,13 +210,13 @@ def layout_units(units: Sequence[UnitSpec], world_size: int, owners: dict[str, i
         for r in range(world_size):
             for p in matrices:  # model order within an owner
                 if owners[p.name] == r:
-                    slots.append(ParamSlot(p.name, tuple(p.shape), p.rule, p.storage, offset, p.numel, r, p.split_rows))
+                    slots.append(_slot(p, offset, r))
                     offset += p.numel
                     cost[r] += p.cost
             bounds.append(offset)
         matrix_numel = offset
         for p in tail:
-            slots.append(ParamSlot(p.name, tuple(p.shape), p.rule, p.storage, offset, p.numel, -1, p.split_rows))
+            slots.append(_slot(p, offset, -1))
             offset += p.numel
         tail_numel = offset - matrix_numel
         layouts.append(

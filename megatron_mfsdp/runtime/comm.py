@@ -97,9 +97,16 @@ class _Route:
     def __init__(self, layout: UnitLayout, world: int):
         self.sizes = [layout.segment_numel(r) for r in range(world)]
         starts = [sum(self.sizes[:r]) for r in range(world)]
-        # (slot name, param offset, numel, full-buffer offset, send-buffer offset)
+        # (parameter name, offset in the parameter, numel, full-buffer offset, send-buffer offset); a
+        # block slot (Q, K or V apart) is a row range of its parameter, starting at slot.param_start
         self.copies = [
-            (p.slot.name, p.param_offset, p.numel, p.slot.offset + p.param_offset, starts[r] + p.segment_offset)
+            (
+                p.slot.param_name,
+                p.param_offset,
+                p.numel,
+                p.slot.offset + p.param_offset - p.slot.param_start,
+                starts[r] + p.segment_offset,
+            )
             for r in range(world)
             for p in layout.local_pieces(r)
         ]

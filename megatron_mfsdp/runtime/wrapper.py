@@ -28,6 +28,7 @@ from ..config import MatrixFSDPConfig
 from ..groups import ProcessGroups, group_rank
 from ..models import ModelAdapter, ModelUnit, adapter_for
 from ..optim import registry
+from ..placement.blocks import split_qkv_blocks
 from ..placement.layout import ParamSpec, Plan, UnitLayout, UnitSpec
 from ..placement.planner import plan_units
 from ..placement.verify import verify_plan_agreement
@@ -41,8 +42,11 @@ class _UnitState:
     def __init__(self, unit: ModelUnit, layout: UnitLayout, rank: int, dtype: torch.dtype, grad_dtype, device):
         self.unit = unit
         self.layout = layout
-        by_name = dict(unit.params)
-        self.params = [(slot, by_name[slot.name]) for slot in layout.slots]
+        self.tensors = list(unit.params)  # (name, parameter), each once, in model order
+        self.by_name = dict(unit.params)
+        self.shapes = {name: tuple(p.shape) for name, p in unit.params}
+        self.params = [(slot, self.by_name[slot.param_name]) for slot in layout.slots]  # a blocked one per block
+        self.blocks = _block_slots(layout, self.shapes)
         self.pieces = layout.local_pieces(rank)
         self.param_segment = torch.empty(layout.segment_numel(rank), dtype=dtype, device=device)
         self.grad_segment = torch.zeros(layout.segment_numel(rank), dtype=torch.float32, device=device)
@@ -53,7 +57,7 @@ class _UnitState:
         self.held_to_sites = False  # a tied unit, held in forward from its first module to its last extra site
         self.held_for_backward = False
         self.grads_seen = 0
-        self.grad_params = sum(1 for _, p in self.params if p.requires_grad)
+        self.grad_params = sum(1 for _, p in self.tensors if p.requires_grad)
         self.codec: UnitCodec | None = None  # FP8 matrices: the segment holds bytes (precision/segments.py)
         self.initial_values: torch.Tensor | None = None  # FP8: the initial weights, until masters are seeded
 
@@ -63,9 +67,29 @@ class _UnitState:
         return self.layout if self.codec is None else self.codec.wire
 
 
+def _block_slots(layout: UnitLayout, shapes: dict) -> dict[str, list]:
+    """Parameter name -> its slots in row order, for each parameter placed as row blocks (Q, K and V
+    apart, placement/blocks.py); they must tile it, so the merged weight is their concatenation."""
+    blocks: dict[str, list] = {}
+    for slot in layout.slots:
+        if slot.param is not None:
+            blocks.setdefault(slot.param, []).append(slot)
+    for name, slots in blocks.items():
+        slots.sort(key=lambda s: s.param_start)
+        starts = [s.param_start for s in slots]
+        ends = [s.param_start + s.numel for s in slots]
+        if starts[0] != 0 or starts[1:] != ends[:-1] or ends[-1] != math.prod(shapes[name]):
+            raise ValueError(
+                f"{name}: its Q, K and V blocks are not row ranges of it (query groups interleave them); "
+                "--mfsdp-split-qkv-owners contiguous places them apart only where a TP shard holds one group"
+            )
+    return blocks
+
+
 def unit_specs(units: list[ModelUnit], ddp_config: MatrixFSDPConfig, adapter: ModelAdapter, config) -> list[UnitSpec]:
     """Classify and cost the parameters of model units for the planner: user rules first,
-    then the model's own, each rule's storage and cost from the optimizer's registry."""
+    then the model's own, each rule's storage and cost from the optimizer's registry; with
+    ``split_qkv_owners`` the Q, K and V blocks of a linear_qkv are items of their own."""
     rules = registry.rule_set(
         list(ddp_config.param_rules) + adapter.param_rules(registry.PLACEMENT_MATRIX_RULE),
         ddp_config.layout,
@@ -83,7 +107,7 @@ def unit_specs(units: list[ModelUnit], ddp_config: MatrixFSDPConfig, adapter: Mo
                 )
             )
         specs.append(UnitSpec(unit.name, params))
-    return specs
+    return split_qkv_blocks(specs, ddp_config.split_qkv_owners, rules.cost)
 
 
 def flat_boxes(lo: int, hi: int, shape: tuple[int, ...]) -> list[tuple[tuple, tuple, int]]:
@@ -168,13 +192,12 @@ class MatrixFSDP(torch.nn.Module):
         """Keep this rank's segment of the (identically initialized) full weights,
         then drop the full weights: from here on, owners are the source of truth."""
         for state in self.units:
-            by_name = {slot.name: p for slot, p in state.params}
             for piece in state.pieces:
-                src = by_name[piece.slot.name].detach().reshape(-1)
+                src = state.by_name[piece.slot.param_name].detach().reshape(-1)
                 state.param_segment[piece.segment_offset : piece.segment_offset + piece.numel].copy_(
                     src[piece.param_offset : piece.param_offset + piece.numel]
                 )
-            for _, p in state.params:
+            for _, p in state.tensors:
                 p.data = self._empty
                 p.grad = None
 
@@ -210,7 +233,7 @@ class MatrixFSDP(torch.nn.Module):
         for module, states in release_at.items():
             module.register_forward_hook(self._make_post_forward(module, states))
         for state in self.units:
-            for _, p in state.params:
+            for _, p in state.tensors:
                 if p.requires_grad:
                     p.register_post_accumulate_grad_hook(self._make_grad_ready(state))
 
@@ -297,10 +320,14 @@ class MatrixFSDP(torch.nn.Module):
                 p.data = values[slot.name]
             return
         for slot, p in state.params:
-            p.data = full[slot.offset : slot.offset + slot.numel].view(slot.shape)
+            if slot.param is None:
+                p.data = full[slot.offset : slot.offset + slot.numel].view(slot.shape)
+        for name, slots in state.blocks.items():  # Q, K, V from their owners' parts: one copy
+            merged = torch.cat([full[s.offset : s.offset + s.numel] for s in slots])
+            state.by_name[name].data = merged.view(state.shapes[name])
 
     def _release(self, state: _UnitState) -> None:
-        for _, p in state.params:
+        for _, p in state.tensors:
             p.data = self._empty
         state.full = None
 
@@ -311,12 +338,12 @@ class MatrixFSDP(torch.nn.Module):
             # Norms and biases see only this TP rank's part of the sequence: sum their
             # gradients over TP (megatron's finalize_model_grads does the same).
             all_reduce_flat(
-                [p.grad for _, p in state.params if p.grad is not None and getattr(p, "sequence_parallel", False)],
+                [p.grad for _, p in state.tensors if p.grad is not None and getattr(p, "sequence_parallel", False)],
                 self.groups.tp,
             )
-        grads = {slot.name: p.grad for slot, p in state.params if p.grad is not None}
+        grads = {name: p.grad for name, p in state.tensors if p.grad is not None}
         packed = self.comm.pack_grads(layout, grads, state.grad_dtype, self.gradient_scaling_factor)
-        for _, p in state.params:
+        for _, p in state.tensors:
             p.grad = None
         overlap = self.ddp_config.overlap_grad_reduce
         pending = self.comm.start_reduce(layout, packed)
@@ -423,10 +450,10 @@ class MatrixFSDP(torch.nn.Module):
         ours_unit = sum(wire[id(s)] for s in units)
         ours_bwd = sum(wire[id(s)] for s in units if s.grad_params)
         ours_grad = sum((w - 1) * s.layout.numel for s in units if s.grad_params)
-        params = {id(p): p for s in units for _, p in s.params}  # distinct tensors, as ZeRO-3 shards them
+        params = {id(p): p for s in units for _, p in s.tensors}  # distinct tensors, as ZeRO-3 shards them
         numel = sum(slot.numel for s in units for slot, _ in s.params)
         trained = sum(slot.numel for s in units for slot, p in s.params if p.requires_grad)
-        assert len(params) == sum(len(s.params) for s in units), "a parameter in two units"
+        assert len(params) == sum(len(s.tensors) for s in units), "a parameter in two units"
         return {
             "forward gather": (num_micro * ours_unit, num_micro * (w - 1) * numel * b),
             "backward gather": (num_micro * ours_bwd, num_micro * (w - 1) * trained * b),
@@ -460,21 +487,21 @@ class MatrixFSDP(torch.nn.Module):
 
         if getattr(self, "_shard_metadata", None) is None:
             names = {id(p): name for name, p in self.module.named_parameters()}
-            shapes = {slot.name: slot.shape for state in self.units for slot, _ in state.params}
+            shapes = {name: shape for state in self.units for name, shape in state.shapes.items()}
 
             def stand_in(p, shape):
                 return torch.empty((), dtype=p.dtype, device=p.device).expand(shape)
 
             kept = {}
             for state in self.units:
-                for slot, p in state.params:
+                for name, p in state.tensors:
                     kept[id(p)] = p.data
-                    p.data = stand_in(p, slot.shape)
+                    p.data = stand_in(p, shapes[name])
             try:
                 sharded = self.module.sharded_state_dict(prefix="", metadata=metadata)
             finally:
                 for state in self.units:
-                    for _, p in state.params:
+                    for _, p in state.tensors:
                         p.data = kept[id(p)]
             out = {}
             for sh in sharded.values():
@@ -490,8 +517,9 @@ class MatrixFSDP(torch.nn.Module):
         return self._shard_metadata
 
     def piece_shards(self, tensors: dict[str, torch.Tensor], key_prefix: str = "", metadata=None) -> dict[str, list]:
-        """ShardedTensors of this rank's pieces: ``tensors`` maps a local parameter name to the flat
-        data of its piece (weights, a master, a moment); the element range it covers of megatron's
+        """ShardedTensors of this rank's pieces: ``tensors`` maps a slot name (a local parameter name,
+        or ``NAME[q]`` for a Q, K or V block placed apart) to the flat data of its piece (weights, a
+        master, a moment); the element range it covers of megatron's
         tensor(s) becomes at most three boxes per dimension (partial row, whole rows, partial row),
         uneven shards that DCP checks for coverage (megatron-core 0.16.1 refuses flattened_range).
         Keys are ``key_prefix + megatron key``; the DP coordinate of the replica id is the replica
@@ -504,7 +532,7 @@ class MatrixFSDP(torch.nn.Module):
         for name, data in tensors.items():
             piece, flat = by_name[name], data.reshape(-1)
             shards = []
-            for sh, start in self.shard_metadata(metadata)[name]:
+            for sh, start in self.shard_metadata(metadata)[piece.slot.param_name]:
                 lo = max(start, piece.param_offset) - start
                 hi = min(start + math.prod(sh.local_shape), piece.param_offset + piece.numel) - start
                 for offset, size, at in flat_boxes(lo, hi, tuple(sh.local_shape)) if lo < hi else ():

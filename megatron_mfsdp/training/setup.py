@@ -41,6 +41,7 @@ def runtime_config(args, on_cpu: bool | None = None) -> MatrixFSDPConfig:
         planner=args.mfsdp_planner,
         layout=args.mfsdp_layout,
         muon_split_qkv=args.muon_split_qkv,
+        split_qkv_owners=args.mfsdp_split_qkv_owners,
         newton_schulz=NewtonSchulzCost.of(args, not torch.cuda.is_available() if on_cpu is None else on_cpu),
         verify_collectives=args.mfsdp_verify_collectives,
         grad_reduce_in_fp32=args.accumulate_allreduce_grads_in_fp32 or not low_precision,

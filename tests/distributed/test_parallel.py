@@ -33,7 +33,7 @@ def _forward_step(data_iterator, model):
     return output, loss_func
 
 
-def _layout_worker(rank, world_size, tp, mode, pp=1, num_micro=1):
+def _layout_worker(rank, world_size, tp, mode, pp=1, num_micro=1, qkv_owners="whole"):
     """Train the tiny GPT at TP x PP x DP through megatron-core's schedule; return the
     full (TP=1, PP=1) parameters, the collectives of each step and the bytes held."""
     import torch.distributed as dist
@@ -57,7 +57,7 @@ def _layout_worker(rank, world_size, tp, mode, pp=1, num_micro=1):
         pre_process=parallel_state.is_pipeline_first_stage(),
         post_process=parallel_state.is_pipeline_last_stage(),
     )
-    ddp = MatrixFSDP(config, MatrixFSDPConfig(), model, ProcessGroups.from_parallel_state())
+    ddp = MatrixFSDP(config, MatrixFSDPConfig(split_qkv_owners=qkv_owners), model, ProcessGroups.from_parallel_state())
     opt = get_megatron_optimizer(optimizer_config(muon_tp_mode=mode), [ddp])
     configure_schedule([ddp], opt)
     dp_rank = parallel_state.get_data_parallel_rank()
@@ -69,7 +69,7 @@ def _layout_worker(rank, world_size, tp, mode, pp=1, num_micro=1):
         with count_collectives() as calls:
             assert opt.step()[0]
         step_calls.append(list(calls))
-    owned_blocks = sum(3 if p.split_rows else 1 for p in opt.owned_pieces() if p.rule.startswith("muon"))
+    owned_blocks = sum(len(p.split_rows or (1,)) for p in opt.owned_pieces() if p.rule.startswith("muon"))
     # Reassemble full (TP=1) tensors from the TP shards and collect every stage's names.
     full = {}
     params = dict(model.named_parameters())
@@ -87,6 +87,7 @@ def _layout_worker(rank, world_size, tp, mode, pp=1, num_micro=1):
         "params": full,
         "step_calls": step_calls,
         "owned_blocks": owned_blocks,
+        "block_slots": sum(s.param is not None for u in ddp.plan.units for s in u.slots),
         "bytes": sum({**ddp.local_bytes(), **opt.local_bytes()}.values()),
     }
 
@@ -149,6 +150,22 @@ def test_tp2_dp2_matches_single_process(mode, blocks, reference_dp2):
         print(
             f"  {mode}: {len(r['step_calls'][0])} collectives in one step on a rank owning {r['owned_blocks']} blocks"
         )
+
+
+@pytest.mark.parametrize("mode", ["distributed", "duplicated"])
+def test_tp2_dp2_qkv_blocks_apart_match_single_process(mode, reference_dp2):
+    """--mfsdp-split-qkv-owners contiguous at TP=2 (one query group per TP shard): each shard's Q,
+    K and V rows are slots of their own; the full-matrix TP modes rebuild each block over TP (a
+    block's TP shards are its query groups' rows, in group order) and equal full-matrix Muon."""
+    results = run_workers(4, _layout_worker, 2, mode, 1, 1, "contiguous")
+    assert all(r["block_slots"] == 6 for r in results)  # Q, K, V of 2 layers
+    worst = _max_delta(results[0], reference_dp2[1])
+    print(f"\nTP=2 x DP=2 {mode}, Q/K/V apart: max |param delta| vs single process = {worst:.3e}")
+    assert worst < 2e-4
+    for r in results:
+        for calls in r["step_calls"]:
+            if mode == "distributed":
+                assert [name for name, _ in calls] == ["all_reduce"] * (1 + NS_STEPS * r["owned_blocks"])
 
 
 def test_memory_per_rank_falls_with_dp_shard_size_at_tp2():

@@ -415,6 +415,25 @@ def test_no_abbreviations(capsys):
             ["--override-opt_param-scheduler", "--use-checkpoint-opt_param-scheduler"],
             "give only one of --override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler",
         ),
+        # Q, K and V apart (placement/blocks.py): 'all' is a planning preview, and the blocks are
+        # owned Muon matrices updated apart.
+        (["--mfsdp-split-qkv-owners", "all"], "argument --mfsdp-split-qkv-owners: invalid choice: 'all'"),
+        (
+            ["--mfsdp-split-qkv-owners", "contiguous", "--muon-no-split-qkv"],
+            "--mfsdp-split-qkv-owners contiguous places Q, K and V apart, which --muon-no-split-qkv orthogonalizes",
+        ),
+        (
+            ["--mfsdp-split-qkv-owners", "contiguous", "--mfsdp-layout", "even"],
+            "--mfsdp-split-qkv-owners contiguous needs --mfsdp-layout owner",
+        ),
+        (
+            ["--mfsdp-split-qkv-owners", "contiguous"],
+            "--mfsdp-split-qkv-owners contiguous needs --use-matrix-fsdp",
+        ),
+        (
+            ["--mfsdp-split-qkv-owners", "contiguous", "--use-matrix-fsdp", "--optimizer", "adam"],
+            "--mfsdp-split-qkv-owners contiguous needs --optimizer muon",
+        ),
     ],
 )
 def test_bad_values_exit_2_naming_the_flag(flags, message, capsys):

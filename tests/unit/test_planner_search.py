@@ -213,11 +213,11 @@ def test_plan_tool_prints_the_start_up_report_and_bounds(capsys, specs):
 
 
 def test_plan_tool_plans_over_the_shard_group_and_previews_qkv_blocks(capsys):
-    """--mfsdp-replicate-size 2 of DP 8: owners over 4 ranks, as MatrixFSDP at start-up; the
-    Q/K/V preview gives Llama's one-group TP shards three items per linear_qkv."""
+    """--mfsdp-replicate-size 2 of DP 8: owners over 4 ranks, as MatrixFSDP at start-up;
+    --mfsdp-split-qkv-owners contiguous gives Llama's one-group TP shards three items per linear_qkv."""
     TOOL.main(LLAMA_70B.split() + "--data-parallel-size 8 --mfsdp-replicate-size 2".split())
     assert "over 4 DP ranks" in capsys.readouterr().out
-    args = TOOL.parse(LLAMA_70B.split() + "--data-parallel-size 8 --split-qkv-owners contiguous".split())
+    args = TOOL.parse(LLAMA_70B.split() + "--data-parallel-size 8 --mfsdp-split-qkv-owners contiguous".split())
     names = [p.name for p in TOOL.specs_from_args(args)[1].params]
     assert [n for n in names if "linear_qkv.weight" in n] == [
         f"decoder.layers.0.self_attention.linear_qkv.weight[{b}]" for b in "qkv"

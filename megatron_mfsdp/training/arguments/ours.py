@@ -120,17 +120,11 @@ def _add_deprecated_muon_args(g) -> None:
     )
 
 
-def add_mfsdp_args(p: argparse.ArgumentParser) -> None:
+def _add_placement_args(g) -> None:
+    """Where parameters live: the planner, the layout, Q/K/V blocks, hybrid replicas, rule overrides."""
     from ...config import MatrixFSDPConfig as R
     from ...optim import registry
 
-    g = p.add_argument_group("MatrixFSDP (ours)")
-    g.add_argument(
-        "--use-matrix-fsdp",
-        action="store_true",
-        help="owner-sharded ZeRO-3: each 2D weight whole on one DP owner. Without it, megatron-core's "
-        "DistributedDataParallel (and DistributedOptimizer with --use-distributed-optimizer) runs",
-    )
     g.add_argument("--mfsdp-planner", choices=config_choices(R, "planner"), default=config_default(R, "planner"))
     g.add_argument(
         "--mfsdp-layout",
@@ -139,6 +133,14 @@ def add_mfsdp_args(p: argparse.ArgumentParser) -> None:
         help="owner: each Muon matrix whole on one DP rank, the optimizer step moves no tensor data; "
         "even: ordinary ZeRO-3 even flat shards with reconstruction Muon (each matrix gathered over DP "
         "and orthogonalized on every rank each step), the baseline owner placement is measured against",
+    )
+    g.add_argument(
+        "--mfsdp-split-qkv-owners",
+        choices=config_choices(R, "split_qkv_owners"),
+        default=config_default(R, "split_qkv_owners"),
+        help="contiguous: give the Q, K and V blocks of each linear_qkv owners of their own where a TP shard "
+        "holds one query group (finer items for the planner; the weight is merged after each gather). "
+        "Needs Muon with the QKV split, the owner layout and no FP8",
     )
     g.add_argument(
         "--mfsdp-replicate-size",
@@ -154,6 +156,19 @@ def add_mfsdp_args(p: argparse.ArgumentParser) -> None:
         help="put parameters whose name matches PATTERN (fnmatch) under update rule RULE "
         f"({', '.join(registry.rule_names())})",
     )
+
+
+def add_mfsdp_args(p: argparse.ArgumentParser) -> None:
+    from ...config import MatrixFSDPConfig as R
+
+    g = p.add_argument_group("MatrixFSDP (ours)")
+    g.add_argument(
+        "--use-matrix-fsdp",
+        action="store_true",
+        help="owner-sharded ZeRO-3: each 2D weight whole on one DP owner. Without it, megatron-core's "
+        "DistributedDataParallel (and DistributedOptimizer with --use-distributed-optimizer) runs",
+    )
+    _add_placement_args(g)
     g.add_argument(
         "--mfsdp-prefetch-depth",
         type=nonnegative_int,

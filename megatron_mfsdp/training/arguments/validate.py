@@ -408,6 +408,17 @@ def _validate_layout(args) -> None:
         _fail(f"--mfsdp-layout {args.mfsdp_layout} does not support --fp8-param-gather (FP8 needs whole matrices)")
 
 
+def _validate_qkv_owners(args) -> None:
+    """Q, K and V apart are Muon matrices on MatrixFSDP owners (the config checks the rest)."""
+    if args.mfsdp_split_qkv_owners == "whole":
+        return
+    flag = f"--mfsdp-split-qkv-owners {args.mfsdp_split_qkv_owners}"
+    if not args.use_matrix_fsdp:
+        _fail(f"{flag} needs --use-matrix-fsdp (owners are a MatrixFSDP placement)")
+    if args.optimizer != "muon":
+        _fail(f"{flag} needs --optimizer muon (with {args.optimizer} a linear_qkv is split evenly, not owned)")
+
+
 def validate_optimizer(args) -> None:
     from ...optim import registry
     from ...placement.rules import parse_rule
@@ -418,6 +429,7 @@ def validate_optimizer(args) -> None:
     runtime_config(args)  # the configs validate their own fields (one source of truth)
     optimizer_config(args)
     _validate_layout(args)
+    _validate_qkv_owners(args)
     if args.use_matrix_fsdp:
         for flag, on, instead in (
             (

@@ -1,0 +1,181 @@
+"""--mfsdp-split-qkv-owners contiguous: the Q, K and V blocks of each linear_qkv on owners of their
+own (placement/blocks.py). Training equals the single-process reference bitwise (the merged weight
+is the same numbers; each block is stepped as the split step steps it), the optimizer step still
+moves no tensor data, the traffic stays ZeRO-3's, and a checkpoint saved with the blocks apart
+loads into the whole-owner layout (and back) bitwise, under megatron-core's keys."""
+
+import pytest
+import torch
+
+from megatron_mfsdp.testing import (
+    assemble_optimizer_state,
+    count_collectives,
+    init_megatron,
+    lm_loss,
+    micro_batch,
+    optimizer_config,
+    reference_train,
+    run_workers,
+    tiny_gpt,
+)
+
+STEPS = 3
+MQA = {"num_query_groups": 1}  # one query group per TP shard at TP=1: Q, K, V are row ranges
+
+
+def _train_worker(rank, world_size, steps, mode, model_overrides, coalesce=True):
+    from megatron_mfsdp import MatrixFSDP, MatrixFSDPConfig, get_megatron_optimizer
+
+    init_megatron()
+    config, model = tiny_gpt(**model_overrides)
+    ddp = MatrixFSDP(config, MatrixFSDPConfig(split_qkv_owners=mode, coalesce=coalesce), model)
+    opt = get_megatron_optimizer(optimizer_config(), [ddp])
+    step_calls = []
+    for step in range(1, steps + 1):
+        opt.zero_grad()
+        lm_loss(ddp, micro_batch(step, 0, rank), 1).backward()
+        ddp.finish_grad_sync()
+        with count_collectives() as calls:
+            success, _, _ = opt.step()
+        assert success
+        step_calls.append(list(calls))
+    return {
+        "full": ddp.full_state_dict(),
+        "opt": opt.state_dict(),
+        "step_calls": step_calls,
+        "slots": [(s.name, s.param_name, s.owner, s.shape) for u in ddp.plan.units for s in u.slots],
+        "shapes": {n: s for u in ddp.units for n, s in u.shapes.items()},
+        "traffic": ddp.traffic_per_iteration(1),
+        "moved": dict(ddp.comm.traffic),
+    }
+
+
+def _reference_worker(rank, world_size, dp_size, steps, model_overrides):
+    init_megatron()
+    config, model = tiny_gpt(**model_overrides)
+    return reference_train(model, config, optimizer_config(), dp_size, steps, 1)
+
+
+# Coalesced, a block's gradient rows are packed in segment order; per region (the older path), at
+# the block's place in the unit's flat buffer: both routes read the block's rows of the gradient.
+@pytest.mark.parametrize("coalesce", [True, False])
+def test_qkv_blocks_apart_bitwise_equal_single_process_and_communication_free(coalesce):
+    results = run_workers(2, _train_worker, STEPS, "contiguous", MQA, coalesce)
+    reference = run_workers(1, _reference_worker, 2, STEPS, MQA)[0]
+
+    blocks = [s for s in results[0]["slots"] if s[0] != s[1]]
+    assert sorted(name[-3:] for name, *_ in blocks) == ["[k]", "[k]", "[q]", "[q]", "[v]", "[v]"]
+    owners = {}
+    for _name, param, owner, _shape in blocks:
+        owners.setdefault(param, set()).add(owner)
+    # The merge after the gather and the split before the reduction are exercised: some linear_qkv
+    # has its blocks on both ranks (so a wrong block order could not go unseen below).
+    assert any(len(o) == 2 for o in owners.values()), owners
+
+    for name, ref in reference["params"].items():
+        got = results[0]["full"][name]
+        assert torch.equal(got, ref), f"{name} differs by {(got - ref).abs().max().item():.3e}"
+    state = assemble_optimizer_state([r["opt"] for r in results], results[0]["shapes"])
+    for name, st in reference["state"].items():
+        for key, ref in st.items():
+            assert not torch.isnan(state[name][key]).any(), f"{name}.{key}: a block left uncovered"
+            assert torch.equal(state[name][key], ref), f"{name}.{key} differs"
+
+    for r in results:
+        assert all(calls == [("all_reduce", 2)] for calls in r["step_calls"]), r["step_calls"]
+        for phase, (ours, zero3) in r["traffic"].items():
+            assert ours == zero3, (phase, ours, zero3)
+
+
+def test_blocks_apart_place_finer_items_than_whole_matrices():
+    """The same model planned both ways: blocks are items of their own, Q of (heads x head dim) rows,
+    K and V of one head's rows, and every parameter's elements are placed exactly once."""
+    whole = run_workers(1, _plan_worker, "whole")[0]
+    apart = run_workers(1, _plan_worker, "contiguous")[0]
+    qkv = [s for s in whole if s[0].endswith("linear_qkv.weight")]
+    assert qkv and all(s[0] == s[1] for s in whole)
+    for name, _, _, (rows, cols) in qkv:
+        parts = {s[0][-2]: s[3] for s in apart if s[1] == name and s[0] != name}
+        head_dim = rows // 6  # 4 query heads + 1 key + 1 value head
+        assert parts == {"q": (4 * head_dim, cols), "k": (head_dim, cols), "v": (head_dim, cols)}, parts
+    assert sum(torch.Size(s[3]).numel() for s in apart) == sum(torch.Size(s[3]).numel() for s in whole)
+
+
+def _plan_worker(rank, world_size, mode):
+    from megatron_mfsdp import MatrixFSDP, MatrixFSDPConfig
+
+    init_megatron()
+    config, model = tiny_gpt(**MQA)
+    ddp = MatrixFSDP(config, MatrixFSDPConfig(split_qkv_owners=mode), model)
+    return [(s.name, s.param_name, s.owner, s.shape) for u in ddp.plan.units for s in u.slots]
+
+
+def test_interleaved_groups_keep_whole_matrices():
+    """Two query groups per TP shard interleave Q, K and V per group: contiguous keeps them on one
+    owner (no block slots), and the training numbers are the whole-owner ones."""
+    slots = run_workers(1, _plan_worker_gqa)[0]
+    assert all(name == param for name, param in slots)
+
+
+def _plan_worker_gqa(rank, world_size):
+    from megatron_mfsdp import MatrixFSDP, MatrixFSDPConfig
+
+    init_megatron()
+    config, model = tiny_gpt()  # num_query_groups 2
+    ddp = MatrixFSDP(config, MatrixFSDPConfig(split_qkv_owners="contiguous"), model)
+    return [(s.name, s.param_name) for u in ddp.plan.units for s in u.slots]
+
+
+def _ckpt_worker(rank, world_size, path, steps, mode):
+    from megatron_mfsdp import MatrixFSDP, MatrixFSDPConfig, get_megatron_optimizer
+    from megatron_mfsdp.checkpoint import dist as torch_dist
+
+    init_megatron()
+    config, model = tiny_gpt(by_global_name=True, **MQA)
+    ddp = MatrixFSDP(config, MatrixFSDPConfig(split_qkv_owners=mode), model)
+    opt = get_megatron_optimizer(optimizer_config(), [ddp])
+    for step in range(1, steps + 1):
+        opt.zero_grad()
+        lm_loss(ddp, micro_batch(step, 0, rank), 1).backward()
+        ddp.finish_grad_sync()
+        opt.step()
+    request = torch_dist.sharded_model([ddp], megatron_ddp=False)
+    request["optimizer"] = torch_dist.sharded_optimizer(opt, request, megatron_ddp=False, is_loading=not steps)
+    keys = sorted({sh.key for shards in request["model"].values() for sh in shards})
+    if steps:
+        if rank == 0:
+            import os
+
+            os.makedirs(path)
+        torch.distributed.barrier()
+        torch_dist.save_state_dict(request, path)
+    else:
+        loaded = torch_dist.load_state_dict(request, path, "raise_all")
+        torch_dist.copy_loaded(request["model"], loaded["model"])
+        opt.load_sharded_state_dict(loaded["optimizer"]["state"])
+        opt.load_common_state_dict(loaded["optimizer"]["common"])
+    return {
+        "opt": opt.state_dict(),
+        "weights": ddp.full_state_dict(),
+        "shapes": {n: s for u in ddp.units for n, s in u.shapes.items()},
+        "keys": keys,
+    }
+
+
+@pytest.mark.parametrize("saved_mode,loaded_mode", [("contiguous", "whole"), ("whole", "contiguous")])
+def test_checkpoint_moves_between_blocks_apart_and_whole(tmp_path, saved_mode, loaded_mode):
+    path = str(tmp_path / "ckpt")
+    saved = run_workers(2, _ckpt_worker, path, 2, saved_mode)
+    loaded = run_workers(2, _ckpt_worker, path, 0, loaded_mode)
+    # megatron-core's keys either way: a block saves its rows of the whole weight's tensor.
+    assert saved[0]["keys"] == loaded[0]["keys"]
+    assert not any("[" in key for key in saved[0]["keys"])
+    for name, tensor in saved[0]["weights"].items():
+        assert torch.equal(loaded[0]["weights"][name], tensor), name
+    expected = assemble_optimizer_state([r["opt"] for r in saved], saved[0]["shapes"])
+    got = assemble_optimizer_state([r["opt"] for r in loaded], loaded[0]["shapes"])
+    assert set(got) == set(expected)
+    for name, state in expected.items():
+        for key, tensor in state.items():
+            assert not torch.isnan(tensor).any(), f"{name}.{key}"
+            assert torch.equal(got[name][key], tensor), f"{name}.{key}"
