@@ -166,11 +166,11 @@ def symmetric_product(
     m = left.shape[0]
     out = torch.empty(m, m, dtype=left.dtype, device=left.device)
     for s, e in _row_blocks(m):
+        block = out[s:e, s:]  # written in place: BLAS takes the row stride, no copy of the block
         if bias is None:
-            block = left[s:e] @ right[:, s:]
+            torch.mm(left[s:e], right[:, s:], out=block)
         else:
-            block = torch.addmm(bias[s:e, s:], left[s:e], right[:, s:], beta=beta, alpha=alpha)
-        out[s:e, s:] = block
+            torch.addmm(bias[s:e, s:], left[s:e], right[:, s:], beta=beta, alpha=alpha, out=block)
         out[e:, s:e] = block[:, e - s :].T
     return out
 

@@ -163,8 +163,10 @@ class Plan:
         """A printable table: owned bytes and Newton-Schulz flops per rank, with max/mean."""
         elements, costs = self.per_rank_load()
         nbytes = [e * self.element_size for e in elements]
+        blocked = {slot.param for unit in self.units for slot in unit.slots if slot.param is not None}
+        apart = f", Q/K/V apart in {len(blocked)} linear_qkv" if blocked else ""
         lines = [
-            f"MatrixFSDP plan: {len(self.units)} units over {self.world_size} DP ranks, policy {self.policy}",
+            f"MatrixFSDP plan: {len(self.units)} units over {self.world_size} DP ranks, policy {self.policy}{apart}",
             f"{'rank':>6} {'owned bytes':>14} {'NS flops/step':>16} {'matrices':>9}",
         ]
         owned = [0] * self.world_size
