@@ -54,8 +54,8 @@ def load_rank_file(args, folder: str, chunks, optimizer, scheduler) -> dict:
     resume.check_same_model(args, state["args"], path)
     if state["world_size"] != dist.get_world_size() or state["plan_digest"] != [c.plan.digest() for c in chunks]:
         raise ValueError(
-            f"--load: {path} was saved with another layout (world size, DP size, planner, parameter rules); "
-            "--ckpt-format torch loads only at the layout that saved it, torch_dist (the default) at any"
+            f"--load: {path} was saved with another layout (world size, DP size, planner, parameter rules, "
+            "Q/K/V owners); --ckpt-format torch loads only at the layout that saved it, torch_dist (the default) at any"
         )
     with torch.no_grad():
         for unit, segment in zip([u for chunk in chunks for u in chunk.units], state["model"]):
