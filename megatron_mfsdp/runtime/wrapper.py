@@ -45,7 +45,8 @@ class _UnitState:
         self.tensors = list(unit.params)  # (name, parameter), each once, in model order
         self.by_name = dict(unit.params)
         self.shapes = {name: tuple(p.shape) for name, p in unit.params}
-        self.params = [(slot, self.by_name[slot.param_name]) for slot in layout.slots]  # a blocked one per block
+        # (slot, its parameter): a parameter placed as Q, K and V blocks appears once per block
+        self.params = [(slot, self.by_name[slot.param_name]) for slot in layout.slots]
         self.blocks = _block_slots(layout, self.shapes)
         self.pieces = layout.local_pieces(rank)
         self.param_segment = torch.empty(layout.segment_numel(rank), dtype=dtype, device=device)

@@ -10,6 +10,7 @@ import torch
 
 from megatron_mfsdp.testing import (
     assemble_optimizer_state,
+    dist_checkpoint,
     init_megatron,
     lm_loss,
     micro_batch,
@@ -21,7 +22,6 @@ from megatron_mfsdp.testing import (
 
 def _worker(rank, world_size, path, steps):
     from megatron_mfsdp import MatrixFSDP, MatrixFSDPConfig, get_megatron_optimizer
-    from megatron_mfsdp.checkpoint import dist as torch_dist
 
     init_megatron()
     config, model = tiny_gpt(by_global_name=True)
@@ -32,20 +32,7 @@ def _worker(rank, world_size, path, steps):
         lm_loss(ddp, micro_batch(step, 0, rank), 1).backward()
         ddp.finish_grad_sync()
         opt.step()
-    request = torch_dist.sharded_model([ddp], megatron_ddp=False)
-    request["optimizer"] = torch_dist.sharded_optimizer(opt, request, megatron_ddp=False, is_loading=not steps)
-    if steps:
-        if rank == 0:
-            import os
-
-            os.makedirs(path)
-        torch.distributed.barrier()
-        torch_dist.save_state_dict(request, path)
-    else:
-        loaded = torch_dist.load_state_dict(request, path, "raise_all")
-        torch_dist.copy_loaded(request["model"], loaded["model"])
-        opt.load_sharded_state_dict(loaded["optimizer"]["state"])
-        opt.load_common_state_dict(loaded["optimizer"]["common"])
+    dist_checkpoint(ddp, opt, path, save=bool(steps))
     return {
         "opt": opt.state_dict(),
         "step": opt.step_count,

@@ -8,7 +8,15 @@ import math
 import pytest
 import torch
 
-from megatron_mfsdp.testing import count_collectives, init_megatron, lm_loss, micro_batch, optimizer_config, run_workers
+from megatron_mfsdp.testing import (
+    count_collectives,
+    dist_checkpoint,
+    init_megatron,
+    lm_loss,
+    micro_batch,
+    optimizer_config,
+    run_workers,
+)
 from megatron_mfsdp.testing import tiny_gpt as build_tiny
 
 WIDE = dict(hidden_size=128, ffn_hidden_size=256, params_dtype=torch.bfloat16, bf16=True)
@@ -213,34 +221,13 @@ def test_gathers_move_one_byte_per_matrix_element_and_no_amax_collective(recipe)
     )
 
 
-def _dist_checkpoint(ddp, opt, path: str, save: bool) -> None:
-    """Weights and optimizer state through megatron-core dist_checkpointing (checkpoint/dist.py);
-    FP8 units' weights travel as their fp32 masters."""
-    import os
-
-    from megatron_mfsdp.checkpoint import dist as torch_dist
-
-    request = torch_dist.sharded_model([ddp], megatron_ddp=False)
-    request["optimizer"] = torch_dist.sharded_optimizer(opt, request, megatron_ddp=False, is_loading=not save)
-    if save:
-        if torch.distributed.get_rank() == 0:
-            os.makedirs(path)
-        torch.distributed.barrier()
-        torch_dist.save_state_dict(request, path)
-        return
-    loaded = torch_dist.load_state_dict(request, path, "raise_all")
-    torch_dist.copy_loaded(request["model"], loaded["model"])
-    opt.load_sharded_state_dict(loaded["optimizer"]["state"])  # ends in opt.rederive_fp8_payload()
-    opt.load_common_state_dict(loaded["optimizer"]["common"])
-
-
 def _rederive_worker(rank, world, recipe, path, steps):
     init_megatron()
     ddp, opt = _build(recipe)
     for step in range(1, steps + 1):
         _iteration(ddp, opt, rank, world, step, 1)
     if not steps:
-        _dist_checkpoint(ddp, opt, path, save=False)
+        dist_checkpoint(ddp, opt, path, save=False)
         return {"payload": _fp8_payload(ddp)}
     segments = [s.param_segment.clone() for s in ddp.units]
     for state in ddp.units:
@@ -252,7 +239,7 @@ def _rederive_worker(rank, world, recipe, path, steps):
     fresh_opt.load_state_dict(opt.state_dict())
     reloaded = all(torch.equal(a, s.param_segment) for a, s in zip(segments, fresh_ddp.units))
     next_losses = [_iteration(m, o, rank, world, steps + 1, 1) for m, o in ((ddp, opt), (fresh_ddp, fresh_opt))]
-    _dist_checkpoint(ddp, opt, path, save=True)
+    dist_checkpoint(ddp, opt, path, save=True)
     return {"rederived": rederived, "reloaded": reloaded, "next": next_losses, "payload": _fp8_payload(ddp)}
 
 
