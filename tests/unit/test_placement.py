@@ -44,7 +44,7 @@ def _check_layout_covers_every_element_once(plan):
         covered = torch.zeros(unit.numel, dtype=torch.int32)
         for r in range(plan.world_size):
             for piece in unit.local_pieces(r):
-                start = piece.slot.offset + piece.param_offset
+                start = piece.slot.offset + piece.param_offset - piece.slot.param_start
                 covered[start : start + piece.numel] += 1
                 if piece.slot.storage == WHOLE:
                     assert piece.slot.owner == r and piece.numel == piece.slot.numel  # whole, on its owner
@@ -106,6 +106,45 @@ def test_plan_is_deterministic_and_digest_sensitive(gpt_24x2048_specs):
     b = plan_units(gpt_24x2048_specs, 8, "greedy")
     assert a.digest() == b.digest()
     assert plan_units(gpt_24x2048_specs, 4, "greedy").digest() != a.digest()
+
+
+def test_digest_of_whole_parameter_plans_is_what_it_was_before_qkv_blocks():
+    """Block fields (ParamSlot.param, param_start) stay out of the digest of a slot that is a whole
+    parameter, so --ckpt-format torch checkpoints saved before them still load. The value was
+    computed by the layout code of f0ceecf (before blocks) for these specs and owners."""
+    a, b, c = (ParamSpec(f"{n}.weight", shape, "muon", WHOLE, cost) for n, shape, cost in
+               (("a", (6, 4), 100), ("b", (4, 4), 60), ("c", (8, 4), 120)))  # fmt: skip
+    specs = [
+        UnitSpec("u0", [a, b, ParamSpec("n.bias", (5,), "adamw", SLICE, 0)]),
+        UnitSpec("u1", [c, ParamSpec("m.bias", (3,), "adamw", SLICE, 0)]),
+    ]
+    digest = plan_units(specs, 2, "greedy").digest()
+    assert digest == "e5495b227eca25037375d21db219b2fd29b33bff9207e8757a0d8aceebc09543"
+
+
+def test_qkv_blocks_are_row_ranges_of_their_parameter_and_tile_it():
+    """--mfsdp-split-qkv-owners contiguous on a one-group linear_qkv: three slots whose pieces map to
+    consecutive row ranges of the weight (the offsets the gather, the reduction and checkpoints use),
+    each element placed once; two groups stay one matrix."""
+    from megatron_mfsdp.placement.blocks import split_qkv_blocks
+
+    qkv = ParamSpec("attn.linear_qkv.weight", (24, 8), "muon", WHOLE, 90, (16, 4, 4))
+    specs = [UnitSpec("u", [qkv, ParamSpec("attn.linear_proj.weight", (8, 16), "muon", WHOLE, 50)])]
+    blocks = split_qkv_blocks(specs, "contiguous", GPT_RULES.cost)[0].params
+    assert [(p.name[-3:], p.shape, p.split_rows, p.param_start) for p in blocks[:3]] == [
+        ("[q]", (16, 8), (16,), 0), ("[k]", (4, 8), (4,), 128), ("[v]", (4, 8), (4,), 160)
+    ]  # fmt: skip
+    plan = plan_units([UnitSpec("u", blocks)], 3, "greedy")
+    assert {s.owner for s in plan.units[0].slots if s.param} == {0, 1, 2}  # apart, so the test means something
+    _check_layout_covers_every_element_once(plan)
+    seen = torch.zeros(24 * 8, dtype=torch.int32)
+    for r in range(3):
+        for piece in plan.units[0].local_pieces(r):
+            if piece.slot.param_name == qkv.name:
+                seen[piece.param_offset : piece.param_offset + piece.numel] += 1
+    assert torch.all(seen == 1)
+    two_groups = ParamSpec(qkv.name, (24, 8), "muon", WHOLE, 90, (8, 2, 2))
+    assert split_qkv_blocks([UnitSpec("u", [two_groups])], "contiguous", GPT_RULES.cost)[0].params == [two_groups]
 
 
 @pytest.mark.parametrize("world_size,max_balance", [(8, 1.05), (64, 1.40)])
