@@ -17,9 +17,8 @@ run the flags give (5 steps in bf16, standard iteration, unless --ns-flags says 
 by m*n*min(m, n) per block, the leading term the planner used before (issue 11's figures).
 
 --split-qkv-owners plans the Q, K and V blocks of each linear_qkv as items of their own
-(placement/blocks.py): contiguous where a TP shard holds one query group, as training does with
---mfsdp-split-qkv-owners contiguous; all also where groups interleave them (a preview: training
-keeps those whole).
+(placement/blocks.py), as --mfsdp-split-qkv-owners places them in training: contiguous where a
+TP shard holds one query group, all also where groups interleave them.
 """
 
 from __future__ import annotations
@@ -134,7 +133,7 @@ def main() -> None:
         choices=["whole", "contiguous", "all"],
         default="whole",
         help="plan Q, K and V blocks as separate matrices ('contiguous': only where a TP shard holds one "
-        "query group, as --mfsdp-split-qkv-owners contiguous trains; 'all': everywhere, a preview)",
+        "query group; 'all': everywhere), as --mfsdp-split-qkv-owners trains them",
     )
     p.add_argument("--ns-flags", default="", help="Newton-Schulz flags for every case, e.g. '--muon-ns-dtype fp32'")
     p.add_argument(

@@ -15,7 +15,7 @@ from megatron.core.optimizer import OptimizerConfig
 
 from .optim.muon import NS_ALGORITHMS, NS_COEFFICIENTS, NS_DTYPES, SCALE_MODES, NewtonSchulzCost
 from .optim.muon_tp import TP_MODES
-from .placement.blocks import RUNTIME_MODES as QKV_OWNER_MODES
+from .placement.blocks import MODES as QKV_OWNER_MODES
 from .placement.planner import POLICIES
 from .placement.rules import LAYOUTS
 from .precision.fp8 import Fp8Config
@@ -48,8 +48,9 @@ class MatrixFSDPConfig:
 
     split_qkv_owners: str = field(default="whole", metadata={"choices": QKV_OWNER_MODES})
     """'whole': a linear_qkv weight's Q, K and V on one owner; 'contiguous': each on an owner of its
-    own where a TP shard holds one query group (so they are row ranges; placement/blocks.py). Needs
-    the QKV split (the blocks are updated apart anyway) and the owner layout, without FP8."""
+    own where a TP shard holds one query group (so each is one row range); 'all': also where query
+    groups interleave them (placement/blocks.py). Needs the QKV split (the blocks are updated apart
+    anyway) and the owner layout, without FP8."""
 
     newton_schulz: NewtonSchulzCost = field(default_factory=NewtonSchulzCost)
     """The Newton-Schulz run (steps, dtype, algorithm) the planner costs each Muon matrix by; take it

@@ -5,14 +5,16 @@ With --muon-split-qkv (the default) Muon orthogonalizes Q, K and V as three matr
 them on one rank. Planning them as three items splits the largest attention item in three:
 MHA GPT 24x2048 at 64 DP ranks goes from NS max/mean 1.333 to 1.111.
 
-Where a TP shard holds one query group, its Q, K and V are contiguous row ranges of the
-weight ('contiguous'): each becomes a slot of its own (``param``, ``param_start``), owned,
-stored, reduced and stepped like any matrix. The runtime builds the merged weight from the
-three after each gather and hands each owner its block's rows of the gradient; the optimizer
-steps a block as the split step steps that block (its own rows per group as ``split_rows``,
-so the op order is the split step's); checkpoints keep megatron's key for the whole weight,
-each block saving its row range. With more groups per shard the blocks interleave per group:
-'all' plans them anyway, as a preview (benchmarks/bench_planner.py), and training refuses it.
+Each block becomes a slot of its own, owned, stored, reduced and stepped like any matrix: its
+rows of every query group of the TP shard (``param``, and runs of ``param_run`` elements,
+``param_stride`` apart, from ``param_start``; one run where the shard holds one group). The
+runtime builds the merged weight from the three after each gather and hands each owner its
+block's rows of the gradient; the optimizer steps a block as the split step steps it (its own
+rows per group as ``split_rows``, so the op order is the split step's); checkpoints keep
+megatron's key for the whole weight, each block saving its rows. 'contiguous' places blocks
+apart only where a shard holds one group (each block one row range: the merge is one copy of
+contiguous parts); 'all' also where groups interleave them (MHA; GQA with several groups per
+shard): the same mechanism, with a run per group.
 """
 
 from __future__ import annotations
@@ -23,10 +25,8 @@ from .layout import ParamSpec, UnitSpec
 from .rules import WHOLE
 
 MODES = ("whole", "contiguous", "all")
-"""whole: Q, K, V on one owner; contiguous: apart where a TP shard holds one query group (what
-training accepts besides whole); all: apart everywhere (a planning preview)."""
-
-RUNTIME_MODES = MODES[:2]
+"""whole: Q, K, V on one owner; contiguous: apart where a TP shard holds one query group;
+all: apart everywhere."""
 
 BLOCK_NAMES = ("q", "k", "v")
 
@@ -44,8 +44,8 @@ def split_qkv_blocks(
     """``units`` with each split linear_qkv replaced by WHOLE specs ``NAME[q]``, ``NAME[k]``,
     ``NAME[v]`` of (groups x rows, columns), where ``mode`` allows; ``cost(rule, shape)`` is
     the rule's planner cost of one block (the registry's). Totals of cost and elements stay.
-    A block of one query group is rows [start, start + rows) of the weight (``param_start`` its
-    first element); interleaved blocks ('all' with more groups) get ``param_start`` -1."""
+    A block is its rows of every query group: runs of ``param_run`` elements, ``param_stride``
+    apart, from ``param_start`` (one run where a shard holds one group)."""
     if mode not in MODES:
         raise ValueError(f"unknown Q/K/V owner mode {mode!r}; choose one of {', '.join(MODES)}")
     out = []
@@ -56,12 +56,12 @@ def split_qkv_blocks(
             if mode == "whole" or not groups or (mode == "contiguous" and groups != 1):
                 params.append(p)
                 continue
-            first_row = 0
+            cols, first_row, period = p.shape[1], 0, sum(p.split_rows) * p.shape[1]
             for block, rows in zip(BLOCK_NAMES, p.split_rows):
-                shape = (groups * rows, p.shape[1])
-                start = first_row * p.shape[1] if groups == 1 else -1
+                shape = (groups * rows, cols)
+                runs = (first_row * cols, rows * cols, period)  # its rows in each query group
                 params.append(
-                    ParamSpec(f"{p.name}[{block}]", shape, p.rule, WHOLE, cost(p.rule, shape), (rows,), p.name, start)
+                    ParamSpec(f"{p.name}[{block}]", shape, p.rule, WHOLE, cost(p.rule, shape), (rows,), p.name, *runs)
                 )
                 first_row += rows
         out.append(UnitSpec(unit.name, params))

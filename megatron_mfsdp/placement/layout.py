@@ -34,6 +34,8 @@ class ParamSpec:
     split_rows: tuple[int, ...] | None = None  # rows per group of blocks updated apart (QKV)
     param: str | None = None  # a block of this parameter (Q, K or V placed apart); None: the whole of it
     param_start: int = 0  # the block's first element in the flattened parameter
+    param_run: int = 0  # a block is runs of this many elements of the flattened parameter ...
+    param_stride: int = 0  # ... whose starts lie this many elements apart (a query group's rows)
 
     @property
     def param_name(self) -> str:
@@ -67,10 +69,21 @@ class ParamSlot:
     split_rows: tuple[int, ...] | None = None
     param: str | None = None  # as ParamSpec: the parameter this slot is a row block of, None for all of it
     param_start: int = 0  # the block's first element in the flattened parameter
+    param_run: int = 0
+    param_stride: int = 0
 
     @property
     def param_name(self) -> str:
         return self.param or self.name
+
+    def runs(self) -> tuple[int, int, int, int]:
+        """(first element in the flattened parameter, run, stride, count): the parameter's elements
+        this slot holds are ``count`` runs of ``run`` elements, ``stride`` apart, in slot order (one
+        run for a whole parameter or a block of one query group, one per group where groups
+        interleave Q, K and V)."""
+        if self.param is None:
+            return 0, self.numel, self.numel, 1
+        return self.param_start, self.param_run, self.param_stride, self.numel // self.param_run
 
 
 @dataclass
@@ -79,8 +92,14 @@ class LocalPiece:
 
     slot: ParamSlot
     segment_offset: int  # into this rank's segment
-    param_offset: int  # into the flattened parameter (the whole one, for a block slot)
+    param_offset: int  # into the flattened parameter (a block's first element, for a block slot: whole on its owner)
     numel: int
+
+    def runs(self) -> tuple[int, int, int, int]:
+        """As :meth:`ParamSlot.runs`, for the elements of the parameter this piece holds."""
+        if self.slot.param is None:
+            return self.param_offset, self.numel, self.numel, 1
+        return self.slot.runs()
 
 
 @dataclass
@@ -147,7 +166,7 @@ class Plan:
         for unit in units:  # a slot that is a whole parameter hashes as before blocks existed
             for slot in unit["slots"]:
                 if slot["param"] is None:
-                    del slot["param"], slot["param_start"]
+                    del slot["param"], slot["param_start"], slot["param_run"], slot["param_stride"]
         payload = json.dumps({"world_size": self.world_size, "units": units}, sort_keys=True)
         return hashlib.sha256(payload.encode()).hexdigest()
 
@@ -196,9 +215,8 @@ def even_bounds(numel: int, world_size: int) -> list[int]:
 
 
 def _slot(p: ParamSpec, offset: int, owner: int) -> ParamSlot:
-    return ParamSlot(
-        p.name, tuple(p.shape), p.rule, p.storage, offset, p.numel, owner, p.split_rows, p.param, p.param_start
-    )
+    block = (p.param, p.param_start, p.param_run, p.param_stride)
+    return ParamSlot(p.name, tuple(p.shape), p.rule, p.storage, offset, p.numel, owner, p.split_rows, *block)
 
 
 def layout_units(units: Sequence[UnitSpec], world_size: int, owners: dict[str, int], policy: str) -> Plan:

@@ -40,6 +40,13 @@ from ..placement.verify import GATHER, REDUCE, start_signature
 PHASES = ("forward", "backward", "reduce", "other")
 
 
+def param_runs_view(flat: torch.Tensor, runs: tuple[int, int, int, int]) -> torch.Tensor:
+    """The elements of a flattened parameter that ``runs`` (``LocalPiece.runs``: first, run, stride,
+    count) name, as a (count, run) view: a range of it, or a Q, K or V block's rows of every group."""
+    first, run, stride, count = runs
+    return flat.as_strided((count, run), (stride, 1), flat.storage_offset() + first)
+
+
 def as_bytes(t: torch.Tensor) -> torch.Tensor:
     """A flat uint8 view of a contiguous tensor of any dtype (what the gather moves)."""
     return t.reshape(-1).view(torch.uint8)
@@ -97,14 +104,14 @@ class _Route:
     def __init__(self, layout: UnitLayout, world: int):
         self.sizes = [layout.segment_numel(r) for r in range(world)]
         starts = [sum(self.sizes[:r]) for r in range(world)]
-        # (parameter name, offset in the parameter, numel, full-buffer offset, send-buffer offset); a
-        # block slot (Q, K or V apart) is a row range of its parameter, starting at slot.param_start
+        # (parameter name, its elements (LocalPiece.runs), numel, full-buffer offset, send-buffer offset);
+        # a block slot (Q, K or V apart) is whole on its owner: its piece starts at the slot
         self.copies = [
             (
                 p.slot.param_name,
-                p.param_offset,
+                p.runs(),
                 p.numel,
-                p.slot.offset + p.param_offset - p.slot.param_start,
+                p.slot.offset + (p.param_offset - p.slot.param_start if p.slot.param is None else 0),
                 starts[r] + p.segment_offset,
             )
             for r in range(world)
@@ -219,12 +226,12 @@ class SegmentComm:
         route = self.route(layout)
         complete = route.covers_all and all(grads.get(name) is not None for name, *_ in route.copies)
         out = (torch.empty if complete else torch.zeros)(layout.numel, dtype=dtype, device=self.device)
-        for name, param_offset, numel, full_offset, send_offset in route.copies:
+        for name, runs, numel, full_offset, send_offset in route.copies:
             grad = grads.get(name)
             if grad is None:
                 continue
             at = send_offset if self.coalesce else full_offset
-            src, dst = grad.reshape(-1)[param_offset : param_offset + numel], out[at : at + numel]
+            src, dst = param_runs_view(grad.reshape(-1), runs), out[at : at + numel].view(runs[3], runs[1])
             if scale == 1.0:
                 dst.copy_(src)
             elif src.dtype == dtype:

@@ -33,7 +33,7 @@ from ..placement.layout import ParamSpec, Plan, UnitLayout, UnitSpec
 from ..placement.planner import plan_units
 from ..placement.verify import verify_plan_agreement
 from ..precision import UnitCodec, fp8_slot_names, new_fp8_state, te_available, te_float8_weight
-from .comm import SegmentComm, all_reduce_flat
+from .comm import SegmentComm, all_reduce_flat, param_runs_view
 
 
 class _UnitState:
@@ -70,20 +70,25 @@ class _UnitState:
 
 def _block_slots(layout: UnitLayout, shapes: dict) -> dict[str, list]:
     """Parameter name -> its slots in row order, for each parameter placed as row blocks (Q, K and V
-    apart, placement/blocks.py); they must tile it, so the merged weight is their concatenation."""
+    apart, placement/blocks.py). Their runs must tile it: within each period (a query group's rows)
+    the blocks' runs follow each other, and the periods cover the parameter."""
     blocks: dict[str, list] = {}
     for slot in layout.slots:
         if slot.param is not None:
             blocks.setdefault(slot.param, []).append(slot)
     for name, slots in blocks.items():
         slots.sort(key=lambda s: s.param_start)
-        starts = [s.param_start for s in slots]
-        ends = [s.param_start + s.numel for s in slots]
-        if starts[0] != 0 or starts[1:] != ends[:-1] or ends[-1] != math.prod(shapes[name]):
-            raise ValueError(
-                f"{name}: its Q, K and V blocks are not row ranges of it (query groups interleave them); "
-                "--mfsdp-split-qkv-owners contiguous places them apart only where a TP shard holds one group"
-            )
+        runs = [s.runs() for s in slots]  # (first, run, stride, count)
+        period, count = runs[0][2], runs[0][3]
+        ends = [first + run for first, run, _, _ in runs]
+        if (
+            runs[0][0] != 0
+            or [r[0] for r in runs[1:]] != ends[:-1]
+            or ends[-1] != period
+            or any(r[2:] != (period, count) for r in runs)
+            or period * count != math.prod(shapes[name])
+        ):
+            raise ValueError(f"{name}: its Q, K and V blocks {[s.name for s in slots]} do not tile it: {runs}")
     return blocks
 
 
@@ -109,6 +114,34 @@ def unit_specs(units: list[ModelUnit], ddp_config: MatrixFSDPConfig, adapter: Mo
             )
         specs.append(UnitSpec(unit.name, params))
     return split_qkv_blocks(specs, ddp_config.split_qkv_owners, rules.cost)
+
+
+def _run_shards(sh, start: int, at: int, data: torch.Tensor, key_prefix: str, replica: int) -> list:
+    """ShardedTensors of ``data``, elements [at, at + len) of a flattened parameter, where they fall in
+    megatron's tensor ``sh`` (elements [start, ...) of that parameter): at most three boxes per
+    dimension (partial row, whole rows, partial row)."""
+    from megatron.core.dist_checkpointing import ShardedTensor
+
+    lo = max(start, at) - start
+    hi = min(start + math.prod(sh.local_shape), at + data.numel()) - start
+    out = []
+    for offset, size, pos in flat_boxes(lo, hi, tuple(sh.local_shape)) if lo < hi else ():
+        begin, pre = start + pos - at, sh.prepend_axis_num
+        # Uneven shards take full-rank shapes: megatron's uneven path ignores prepend_axis_num.
+        size = (1,) * pre + size
+        out.append(
+            ShardedTensor(
+                key=key_prefix + sh.key,
+                data=data[begin : begin + math.prod(size)].view(size),
+                dtype=data.dtype,
+                local_shape=size,
+                global_shape=sh.global_shape,
+                global_offset=(*sh.global_offset[:pre], *(g + o for g, o in zip(sh.global_offset[pre:], offset))),
+                axis_fragmentations=None,
+                replica_id=(*sh.replica_id[:2], replica),
+            )
+        )
+    return out
 
 
 def flat_boxes(lo: int, hi: int, shape: tuple[int, ...]) -> list[tuple[tuple, tuple, int]]:
@@ -194,10 +227,9 @@ class MatrixFSDP(torch.nn.Module):
         then drop the full weights: from here on, owners are the source of truth."""
         for state in self.units:
             for piece in state.pieces:
-                src = state.by_name[piece.slot.param_name].detach().reshape(-1)
-                state.param_segment[piece.segment_offset : piece.segment_offset + piece.numel].copy_(
-                    src[piece.param_offset : piece.param_offset + piece.numel]
-                )
+                src = param_runs_view(state.by_name[piece.slot.param_name].detach().reshape(-1), piece.runs())
+                dst = state.param_segment[piece.segment_offset : piece.segment_offset + piece.numel]
+                dst.view(src.shape).copy_(src)
             for _, p in state.tensors:
                 p.data = self._empty
                 p.grad = None
@@ -324,7 +356,10 @@ class MatrixFSDP(torch.nn.Module):
             if slot.param is None:
                 p.data = full[slot.offset : slot.offset + slot.numel].view(slot.shape)
         for name, slots in state.blocks.items():  # Q, K, V from their owners' parts: one copy
-            merged = torch.cat([full[s.offset : s.offset + s.numel] for s in slots])
+            merged = torch.empty(math.prod(state.shapes[name]), dtype=full.dtype, device=full.device)
+            for s in slots:
+                view = param_runs_view(merged, s.runs())
+                view.copy_(full[s.offset : s.offset + s.numel].view(view.shape))
             state.by_name[name].data = merged.view(state.shapes[name])
 
     def _release(self, state: _UnitState) -> None:
@@ -520,41 +555,22 @@ class MatrixFSDP(torch.nn.Module):
     def piece_shards(self, tensors: dict[str, torch.Tensor], key_prefix: str = "", metadata=None) -> dict[str, list]:
         """ShardedTensors of this rank's pieces: ``tensors`` maps a slot name (a local parameter name,
         or ``NAME[q]`` for a Q, K or V block placed apart) to the flat data of its piece (weights, a
-        master, a moment); the element range it covers of megatron's
-        tensor(s) becomes at most three boxes per dimension (partial row, whole rows, partial row),
+        master, a moment); each element range it covers of megatron's tensor(s) (one, or a block's
+        rows of each query group) becomes at most three boxes per dimension (:func:`_run_shards`),
         uneven shards that DCP checks for coverage (megatron-core 0.16.1 refuses flattened_range).
         Keys are ``key_prefix + megatron key``; the DP coordinate of the replica id is the replica
         rank: owners' ranges are disjoint."""
-        from megatron.core.dist_checkpointing import ShardedTensor
-
         replica = group_rank(self.groups.replica)
         by_name = {piece.slot.name: piece for state in self.units for piece in state.pieces}
         out = {}
         for name, data in tensors.items():
             piece, flat = by_name[name], data.reshape(-1)
+            first, run, stride, count = piece.runs()
             shards = []
-            for sh, start in self.shard_metadata(metadata)[piece.slot.param_name]:
-                lo = max(start, piece.param_offset) - start
-                hi = min(start + math.prod(sh.local_shape), piece.param_offset + piece.numel) - start
-                for offset, size, at in flat_boxes(lo, hi, tuple(sh.local_shape)) if lo < hi else ():
-                    begin, pre = start + at - piece.param_offset, sh.prepend_axis_num
-                    # Uneven shards take full-rank shapes: megatron's uneven path ignores prepend_axis_num.
-                    size = (1,) * pre + size
-                    shards.append(
-                        ShardedTensor(
-                            key=key_prefix + sh.key,
-                            data=flat[begin : begin + math.prod(size)].view(size),
-                            dtype=flat.dtype,
-                            local_shape=size,
-                            global_shape=sh.global_shape,
-                            global_offset=(
-                                *sh.global_offset[:pre],
-                                *(g + o for g, o in zip(sh.global_offset[pre:], offset)),
-                            ),
-                            axis_fragmentations=None,
-                            replica_id=(*sh.replica_id[:2], replica),
-                        )
-                    )
+            for k in range(count):  # a range of the parameter, or a Q, K or V block's rows of each group
+                at, part = first + k * stride, flat[k * run : (k + 1) * run]
+                for sh, start in self.shard_metadata(metadata)[piece.slot.param_name]:
+                    shards += _run_shards(sh, start, at, part, key_prefix, replica)
             if piece.numel and sum(sh.data.numel() for sh in shards) != piece.numel:
                 raise RuntimeError(
                     f"checkpoint shards of {name} cover {sum(s.data.numel() for s in shards)} of {piece.numel} elements"

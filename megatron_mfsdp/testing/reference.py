@@ -119,17 +119,19 @@ def _muon_blocks_step(p, grad, state, opt_config, split, blocks: int) -> None:
         buf_block.copy_(work_buf)
 
 
-def assemble_optimizer_state(rank_states: list[dict], shapes: dict[str, tuple]) -> dict:
-    """Join the per-rank optimizer pieces (name@offset -> tensors) into full flat tensors."""
+def assemble_optimizer_state(rank_states: list[dict], shapes: dict[str, tuple], runs: dict | None = None) -> dict:
+    """Join the per-rank optimizer pieces (name@offset -> tensors) into full flat tensors. ``runs``
+    maps the key of a Q, K or V block placed apart to its ``ParamSlot.runs()`` (first, run, stride,
+    count): its rows of every query group; any other piece is one range from its offset."""
     full: dict[str, dict[str, torch.Tensor]] = {}
     for sd in rank_states:
         for key, st in sd["state"].items():
             name, offset = key.rsplit("@", 1)
-            offset = int(offset)
             numel = 1
             for s in shapes[name]:
                 numel *= s
             for k, v in list(st.items()) + [("master", sd["master"][key])]:
                 flat = full.setdefault(name, {}).setdefault(k, torch.full((numel,), float("nan")))
-                flat[offset : offset + v.numel()] = v.reshape(-1)
+                first, run, stride, count = (runs or {}).get(key, (int(offset), v.numel(), v.numel(), 1))
+                flat.as_strided((count, run), (stride, 1), first).copy_(v.reshape(count, run))
     return full

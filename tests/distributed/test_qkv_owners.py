@@ -1,5 +1,6 @@
-"""--mfsdp-split-qkv-owners contiguous: the Q, K and V blocks of each linear_qkv on owners of their
-own (placement/blocks.py). Training equals the single-process reference bitwise (the merged weight
+"""--mfsdp-split-qkv-owners: the Q, K and V blocks of each linear_qkv on owners of their own
+(placement/blocks.py), as one row range each (contiguous, one query group) or as their rows of
+every group (all, here MHA: four groups). Training equals the single-process reference bitwise (the merged weight
 is the same numbers; each block is stepped as the split step steps it), the optimizer step still
 moves no tensor data, the traffic stays ZeRO-3's, and a checkpoint saved with the blocks apart
 loads into the whole-owner layout (and back) bitwise, under megatron-core's keys."""
@@ -22,6 +23,7 @@ from megatron_mfsdp.testing import (
 
 STEPS = 3
 MQA = {"num_query_groups": 1}  # one query group per TP shard at TP=1: Q, K, V are row ranges
+MHA = {"num_query_groups": 4}  # a group per head: Q, K and V interleave, a block is 4 row ranges
 
 
 def _train_worker(rank, world_size, steps, mode, model_overrides, coalesce=True):
@@ -46,10 +48,18 @@ def _train_worker(rank, world_size, steps, mode, model_overrides, coalesce=True)
         "opt": opt.state_dict(),
         "step_calls": step_calls,
         "slots": [(s.name, s.param_name, s.owner, s.shape) for u in ddp.plan.units for s in u.slots],
+        "runs": _block_runs(ddp),
         "shapes": {n: s for u in ddp.units for n, s in u.shapes.items()},
         "traffic": ddp.traffic_per_iteration(1),
         "report": ddp.plan.report(),
         "moved": moved,
+    }
+
+
+def _block_runs(ddp) -> dict:
+    """Optimizer key -> ParamSlot.runs() of each block (how assemble_optimizer_state places it)."""
+    return {
+        f"{ddp.global_names[s.param]}@{s.param_start}": s.runs() for u in ddp.plan.units for s in u.slots if s.param
     }
 
 
@@ -61,10 +71,12 @@ def _reference_worker(rank, world_size, dp_size, steps, model_overrides):
 
 # Coalesced, a block's gradient rows are packed in segment order; per region (the older path), at
 # the block's place in the unit's flat buffer: both routes read the block's rows of the gradient.
-@pytest.mark.parametrize("coalesce", [True, False])
-def test_qkv_blocks_apart_bitwise_equal_single_process_and_communication_free(coalesce):
-    results = run_workers(2, _train_worker, STEPS, "contiguous", MQA, coalesce)
-    reference = run_workers(1, _reference_worker, 2, STEPS, MQA)[0]
+@pytest.mark.parametrize(
+    "mode,model,coalesce", [("contiguous", MQA, True), ("contiguous", MQA, False), ("all", MHA, True)]
+)
+def test_qkv_blocks_apart_bitwise_equal_single_process_and_communication_free(mode, model, coalesce):
+    results = run_workers(2, _train_worker, STEPS, mode, model, coalesce)
+    reference = run_workers(1, _reference_worker, 2, STEPS, model)[0]
 
     blocks = [s for s in results[0]["slots"] if s[0] != s[1]]
     assert sorted(name[-3:] for name, *_ in blocks) == ["[k]", "[k]", "[q]", "[q]", "[v]", "[v]"]
@@ -78,7 +90,8 @@ def test_qkv_blocks_apart_bitwise_equal_single_process_and_communication_free(co
     for name, ref in reference["params"].items():
         got = results[0]["full"][name]
         assert torch.equal(got, ref), f"{name} differs by {(got - ref).abs().max().item():.3e}"
-    state = assemble_optimizer_state([r["opt"] for r in results], results[0]["shapes"])
+    state = assemble_optimizer_state([r["opt"] for r in results], results[0]["shapes"], results[0]["runs"])
+    assert {run[3] for run in results[0]["runs"].values()} == {model["num_query_groups"]}  # runs per block
     for name, st in reference["state"].items():
         for key, ref in st.items():
             assert not torch.isnan(state[name][key]).any(), f"{name}.{key}: a block left uncovered"
@@ -117,27 +130,29 @@ def _plan_worker(rank, world_size, mode):
     return [(s.name, s.param_name, s.owner, s.shape) for u in ddp.plan.units for s in u.slots]
 
 
-def test_interleaved_groups_keep_whole_matrices():
+def test_interleaved_groups_stay_whole_under_contiguous_and_split_by_group_under_all():
     """Two query groups per TP shard interleave Q, K and V per group: contiguous keeps them on one
-    owner (no block slots), and the training numbers are the whole-owner ones."""
-    slots = run_workers(1, _plan_worker_gqa)[0]
-    assert all(name == param for name, param in slots)
+    owner (no block slots); all makes each block its rows of both groups (two runs)."""
+    contiguous, apart = (run_workers(1, _plan_worker_gqa, mode)[0] for mode in ("contiguous", "all"))
+    assert all(name == param for name, param, _ in contiguous)
+    blocks = [runs for name, param, runs in apart if name != param]
+    assert len(blocks) == 6 and all(runs[3] == 2 for runs in blocks), blocks
 
 
-def _plan_worker_gqa(rank, world_size):
+def _plan_worker_gqa(rank, world_size, mode):
     from megatron_mfsdp import MatrixFSDP, MatrixFSDPConfig
 
     init_megatron()
     config, model = tiny_gpt()  # num_query_groups 2
-    ddp = MatrixFSDP(config, MatrixFSDPConfig(split_qkv_owners="contiguous"), model)
-    return [(s.name, s.param_name) for u in ddp.plan.units for s in u.slots]
+    ddp = MatrixFSDP(config, MatrixFSDPConfig(split_qkv_owners=mode), model)
+    return [(s.name, s.param_name, s.runs()) for u in ddp.plan.units for s in u.slots]
 
 
-def _ckpt_worker(rank, world_size, path, steps, mode):
+def _ckpt_worker(rank, world_size, path, steps, mode, model_overrides):
     from megatron_mfsdp import MatrixFSDP, MatrixFSDPConfig, get_megatron_optimizer
 
     init_megatron()
-    config, model = tiny_gpt(by_global_name=True, **MQA)
+    config, model = tiny_gpt(by_global_name=True, **model_overrides)
     ddp = MatrixFSDP(config, MatrixFSDPConfig(split_qkv_owners=mode), model)
     opt = get_megatron_optimizer(optimizer_config(), [ddp])
     for step in range(1, steps + 1):
@@ -151,22 +166,26 @@ def _ckpt_worker(rank, world_size, path, steps, mode):
         "opt": opt.state_dict(),
         "weights": ddp.full_state_dict(),
         "shapes": {n: s for u in ddp.units for n, s in u.shapes.items()},
+        "runs": _block_runs(ddp),
         "keys": keys,
     }
 
 
-@pytest.mark.parametrize("saved_mode,loaded_mode", [("contiguous", "whole"), ("whole", "contiguous")])
-def test_checkpoint_moves_between_blocks_apart_and_whole(tmp_path, saved_mode, loaded_mode):
+@pytest.mark.parametrize(
+    "saved_mode,loaded_mode,model",
+    [("contiguous", "whole", MQA), ("whole", "contiguous", MQA), ("all", "whole", MHA), ("whole", "all", MHA)],
+)
+def test_checkpoint_moves_between_blocks_apart_and_whole(tmp_path, saved_mode, loaded_mode, model):
     path = str(tmp_path / "ckpt")
-    saved = run_workers(2, _ckpt_worker, path, 2, saved_mode)
-    loaded = run_workers(2, _ckpt_worker, path, 0, loaded_mode)
+    saved = run_workers(2, _ckpt_worker, path, 2, saved_mode, model)
+    loaded = run_workers(2, _ckpt_worker, path, 0, loaded_mode, model)
     # megatron-core's keys either way: a block saves its rows of the whole weight's tensor.
     assert saved[0]["keys"] == loaded[0]["keys"]
     assert not any("[" in key for key in saved[0]["keys"])
     for name, tensor in saved[0]["weights"].items():
         assert torch.equal(loaded[0]["weights"][name], tensor), name
-    expected = assemble_optimizer_state([r["opt"] for r in saved], saved[0]["shapes"])
-    got = assemble_optimizer_state([r["opt"] for r in loaded], loaded[0]["shapes"])
+    expected = assemble_optimizer_state([r["opt"] for r in saved], saved[0]["shapes"], saved[0]["runs"])
+    got = assemble_optimizer_state([r["opt"] for r in loaded], loaded[0]["shapes"], loaded[0]["runs"])
     assert set(got) == set(expected)
     for name, state in expected.items():
         for key, tensor in state.items():

@@ -415,9 +415,8 @@ def test_no_abbreviations(capsys):
             ["--override-opt_param-scheduler", "--use-checkpoint-opt_param-scheduler"],
             "give only one of --override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler",
         ),
-        # Q, K and V apart (placement/blocks.py): 'all' is a planning preview, and the blocks are
-        # owned Muon matrices updated apart.
-        (["--mfsdp-split-qkv-owners", "all"], "argument --mfsdp-split-qkv-owners: invalid choice: 'all'"),
+        # Q, K and V apart (placement/blocks.py): the blocks are owned Muon matrices updated apart.
+        (["--mfsdp-split-qkv-owners", "bogus"], "argument --mfsdp-split-qkv-owners: invalid choice: 'bogus'"),
         (
             ["--mfsdp-split-qkv-owners", "contiguous", "--muon-no-split-qkv"],
             "--mfsdp-split-qkv-owners contiguous places Q, K and V apart, which --muon-no-split-qkv orthogonalizes",

@@ -138,9 +138,9 @@ def _add_placement_args(g) -> None:
         "--mfsdp-split-qkv-owners",
         choices=config_choices(R, "split_qkv_owners"),
         default=config_default(R, "split_qkv_owners"),
-        help="contiguous: give the Q, K and V blocks of each linear_qkv owners of their own where a TP shard "
-        "holds one query group (finer items for the planner; the weight is merged after each gather). "
-        "Needs Muon with the QKV split, the owner layout and no FP8",
+        help="give the Q, K and V blocks of each linear_qkv owners of their own (finer items for the planner; "
+        "the weight is merged after each gather). contiguous: where a TP shard holds one query group; all: "
+        "also where groups interleave them (MHA). Needs Muon with the QKV split, the owner layout and no FP8",
     )
     g.add_argument(
         "--mfsdp-replicate-size",
