@@ -104,14 +104,13 @@ class _Route:
     def __init__(self, layout: UnitLayout, world: int):
         self.sizes = [layout.segment_numel(r) for r in range(world)]
         starts = [sum(self.sizes[:r]) for r in range(world)]
-        # (parameter name, its elements (LocalPiece.runs), numel, full-buffer offset, send-buffer offset);
-        # a block slot (Q, K or V apart) is whole on its owner: its piece starts at the slot
+        # (parameter name, its elements (LocalPiece.runs), numel, full-buffer offset, send-buffer offset)
         self.copies = [
             (
                 p.slot.param_name,
                 p.runs(),
                 p.numel,
-                p.slot.offset + (p.param_offset - p.slot.param_start if p.slot.param is None else 0),
+                p.slot.offset + p.param_offset - p.slot.param_start,
                 starts[r] + p.segment_offset,
             )
             for r in range(world)
