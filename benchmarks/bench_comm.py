@@ -1,19 +1,21 @@
-"""Owner-segment communication before and after coalescing and overlap, side by side in one run.
+"""Owner-segment communication in both reduction orders, with and without overlap, side by side.
 
-For each data-parallel size W (gloo, CPU) one megatron-core GPT is wrapped three times by
-MatrixFSDP with the same weights and data:
+For each data-parallel size W (gloo, CPU) one megatron-core GPT is wrapped four times by
+MatrixFSDP with the same weights and data. Every gather is a broadcast per owner part plus an
+all-gather of the padded tail (runtime/comm.py); the reduction is
 
-per-owner   the older path: one broadcast per non-empty owner part per gather, two all-to-alls
-            (matrix region, tail region) per reduction, waited for inside the grad hook;
-coalesced   one all-to-all per gather (bytes of the segments, no padding) and one per reduction;
-overlapped  coalesced, with each reduction started asynchronously and waited for at most
-            ``max_reduces_in_flight`` later (or at finish_grad_sync).
+rank          the chain in rank order (runtime/chain.py), bitwise the single-process sum: gloo's default;
+ring          a reduce per owner part and a reduce-scatter of the tail, in the ring's order: NCCL's default;
 
-Per variant it prints owner collectives and bytes per unit and per micro-batch (counted with
-megatron_mfsdp.testing.count_collectives), the median forward-backward iteration time (maximum
-over ranks, timed iterations interleaved across variants), and the ratio to per-owner; then, for
-a tied and an untied model, the bytes per phase that actually moved (summed over ranks) against
-ZeRO-3's formula. The three variants' reduced gradients are compared bitwise.
+each waited for inside the grad hook, or ``+overlap``: started asynchronously and waited for at most
+``max_reduces_in_flight`` later (or at finish_grad_sync).
+
+Per variant it prints the owner collectives per unit and micro-batch (counted with
+megatron_mfsdp.testing.count_collectives), the busiest rank's link bytes per unit operation (each
+call charged as NCCL's rings move it, testing/links.py), the median forward-backward iteration time
+(maximum over ranks, timed iterations interleaved across variants), and the ratio to ``rank``; then,
+for a tied and an untied model, the critical path per phase against ZeRO-3's bytes per rank. The
+rank-order variants' reduced gradients are compared bitwise, ring's within rounding.
 
     .venv/bin/python benchmarks/bench_comm.py              # W = 2 and 4, 4 layers, hidden 256
     .venv/bin/python benchmarks/bench_comm.py --quick      # smoke, tiny model, W = 2
@@ -31,11 +33,12 @@ import torch.distributed as dist
 from megatron_mfsdp.testing import count_collectives, init_megatron, run_workers, tiny_gpt
 
 VARIANTS = {
-    "per-owner": dict(coalesce=False, overlap_grad_reduce=False),
-    "coalesced": dict(coalesce=True, overlap_grad_reduce=False),
-    "overlapped": dict(coalesce=True, overlap_grad_reduce=True),
+    "rank": dict(reduce_order="rank", overlap_grad_reduce=False),
+    "ring": dict(reduce_order="ring", overlap_grad_reduce=False),
+    "rank+overlap": dict(reduce_order="rank", overlap_grad_reduce=True),
+    "ring+overlap": dict(reduce_order="ring", overlap_grad_reduce=True),
 }
-OWNER_OPS = ("all_to_all_single", "broadcast", "batch_isend_irecv")
+OWNER_OPS = ("broadcast", "all_gather_single", "reduce", "reduce_scatter_single", "isend", "irecv")
 
 
 def _model(a, tied=True):
@@ -67,12 +70,19 @@ def _max_over_ranks(seconds: float) -> float:
 
 def _counts(ddp, a, rank) -> dict:
     ddp.zero_grad_buffer()
+    ddp.comm.log = []
     with count_collectives() as calls:
         _iteration(ddp, a, rank, 0)
-    ops = [i for i, (n, _) in enumerate(calls) if n in OWNER_OPS]
-    moved = sum(sum(k * d.itemsize for k, d in calls.tensors[i][:1]) for i in ops)  # first (output) buffer of each call
+    ops = [c for c in calls if c.name in OWNER_OPS and c.dtypes[0] != torch.int64]  # not the signatures
+    links = torch.tensor([max(e.bytes_in, e.bytes_out) for e in ddp.comm.log], dtype=torch.float64)
+    dist.all_reduce(links, op=dist.ReduceOp.MAX)  # the same unit operations on every rank: the busiest
+    ddp.comm.log = None
     per = len(ddp.units) * a.micro
-    return {"calls_per_unit": len(ops) / per, "buffer_bytes_per_unit": moved / per, "grads": ddp.gathered("grad")}
+    return {
+        "calls_per_unit": len(ops) / per,
+        "busiest_bytes_per_op": links.mean().item(),
+        "grads": ddp.gathered("grad"),
+    }
 
 
 def _worker(rank, world_size, a):
@@ -106,10 +116,7 @@ def _traffic(a, rank, tied: bool) -> dict:
     config, model = _model(a, tied)
     ddp = MatrixFSDP(config, MatrixFSDPConfig(verify_collectives=False), model)
     _iteration(ddp, a, rank, 0)
-    moved = torch.tensor([ddp.comm.traffic[k] for k in ("forward", "backward", "reduce")], dtype=torch.float64)
-    dist.all_reduce(moved)
-    zero3 = [z for _, z in ddp.traffic_per_iteration(a.micro).values()]
-    return {phase: (m, z) for phase, m, z in zip(ddp.traffic_per_iteration(1), moved.tolist(), zero3)}
+    return ddp.traffic_per_iteration(a.micro)
 
 
 def main() -> None:
@@ -130,18 +137,20 @@ def main() -> None:
     print(f"GPT {a.layers} layers, hidden {a.hidden}, seq {a.seq}, micro-batch {a.mbs} x {a.micro}, fp32, gloo")
     for w in a.world_sizes:
         r = run_workers(w, _worker, a, threads=a.threads, fresh=True, timeout=3600)[0]
-        base = r["per-owner"]
+        base = r["rank"]
         for name in VARIANTS:
             v = r[name]
             same = all(torch.equal(x, y) for x, y in zip(v["grads"], base["grads"]))
+            close = all(torch.allclose(x, y, rtol=1e-5, atol=1e-8) for x, y in zip(v["grads"], base["grads"]))
             print(
                 f"RESULT W={w} variant={name} calls_per_unit={v['calls_per_unit']:.2f} "
-                f"buffer_bytes_per_unit={v['buffer_bytes_per_unit']:.0f} iter_ms={v['iter_ms']:.1f} "
-                f"speedup_vs_per_owner={base['iter_ms'] / v['iter_ms']:.2f} grads_bitwise_equal={same}"
+                f"busiest_bytes_per_op={v['busiest_bytes_per_op']:.0f} iter_ms={v['iter_ms']:.1f} "
+                f"speedup_vs_rank={base['iter_ms'] / v['iter_ms']:.2f} grads_bitwise_equal_rank={same} "
+                f"grads_within_1e-5_of_rank={close}"
             )
         for tied, phases in r["traffic"].items():
             text = ", ".join(f"{ph} {m / 2**20:.3f} MiB ({m / z:.2f} x ZeRO-3)" for ph, (m, z) in phases.items())
-            print(f"TRAFFIC W={w} tied={tied}: {text}")
+            print(f"TRAFFIC W={w} tied={tied} (critical path: the busiest rank of each call): {text}")
 
 
 if __name__ == "__main__":

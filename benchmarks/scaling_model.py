@@ -1,25 +1,52 @@
-"""A calibrated scaling model: optimizer-step and iteration time of MatrixFSDP ("ours") against
-reconstruction Muon (ZeRO-3 even shards) from 8 to 1024 GPUs, without launching a GPU.
+"""A calibrated scaling model: iteration and optimizer-step time of MatrixFSDP ("ours") against
+ZeRO-3 with reconstruction Muon ("recon") from 8 to 1024 GPUs, without launching a GPU, for the
+paper's weak-scaling GPT (hidden 4096, FFN 16384, 2 layers per GPU) and Llama-3-70B with TP 8.
+Layouts are the library's own: plan_units on meta-tensor unit specs, so 1024 ranks need no process.
 
-ours    every Muon matrix whole on one owner (the library's own planner decides who): the step is
-        owner-local Newton-Schulz plus the AdamW tail, no tensor collective; forward and backward
-        gather each unit from its owners (one broadcast per non-empty owner part, so up to
-        #matrix owners + W calls per unit: the owner fan-out), the reduction is two
-        all_to_all_single per unit (today: blocking inside the backward hook).
-recon   ZeRO-3 even flat shards (FSDP2-style): per matrix and step, all-gather the full fp32
-        direction, Newton-Schulz on every rank, keep the slice; forward/backward use one
-        all-gather and one reduce-scatter per unit, overlapped with compute.
+What each system is charged, per unit (a transformer layer, the embedding, the final norm) and
+micro-batch (W = data-parallel ranks of the collective, U = the unit's elements):
 
-Times are alpha-beta: a collective costs host overhead + NCCL-style latency (a base plus one
-hop latency per ring step, constants from NCCL's own tuning model) + bytes / bus bandwidth;
-a matrix product costs a launch plus flops / throughput; elementwise work costs a launch per
-op plus bytes / memory bandwidth. Every constant below is named and commented. The same
-formulas, with this machine's calibrated figures (timed matmuls, a timed gloo all-gather and
-broadcast on 2 processes), predict benchmarks/bench_optimizer_step.py --quick, which is run
-as a subprocess and compared.
+ours     gather, in forward and again in backward: one NCCL group of one pipelined ring broadcast
+         per non-empty owner part (k of them: the owners of the unit's matrices, a Q/K/V block
+         counting as a matrix), rooted at its owner, plus one all_gather of the evenly split tail
+         padded to ceil(T/W) per rank; bf16. Every rank sends and receives about U (W/(W-1) of
+         ZeRO-3's). Latency: the k+1 ring latencies serialised (conservative: NCCL may overlap
+         the ops of one group), plus verify_collectives' 3-integer signature all-gather.
+         Reduction: the mirror (one ring reduce per owner part into its owner, one reduce_scatter
+         of the padded tail), fp32. Step: owner-local Newton-Schulz and AdamW tail of the busiest
+         rank, and one 2-scalar all-reduce.
+hybrid   --mfsdp-replicate-size R: the same inside shard groups of HYBRID_SHARD_RANKS data-parallel
+         ranks (one node of the GPT; 8 nodes of the TP8 Llama, whose nodes hold one DP rank each),
+         plus an all-reduce of each rank's segment over its R replicas after the owner reduction.
+exact    ours with the rank-ordered reduction (opt-in on NCCL, the gloo default): the packed
+         gradient flows 0 -> 1 -> ... -> W-1 in EXACT_CHUNK_BYTES chunks, then W-1 hands every
+         owner its summed segment: (chunks + W - 1) pipelined p2p steps.
+before   the all-to-all runtime, for comparison only: the gather as every owner sending its
+         segment to each of its W-1 peers ((W-1) x the largest segment on one link), the
+         reduction as one all_to_all_single (an owner receives W-1 copies of its segment).
+recon    ZeRO-3 (FSDP2-style): one all_gather (bf16) and one reduce_scatter (fp32) per unit; the
+         step all-gathers each matrix's fp32 direction and runs Newton-Schulz on every rank.
+
+Overlap, as the runtime runs on CUDA, the same for every system: the next unit's gather is
+prefetched (PREFETCH_DEPTH) while the current one computes, in forward and in backward; a unit's
+reduction starts asynchronously when its gradients are ready (overlap_grad_reduce), at most
+MAX_REDUCES_IN_FLIGHT at once (the host waits for the oldest before starting another), and the
+backward ends when the last one lands (finish_grad_sync). A rank's collectives share one FIFO
+link (a process group's collectives run in order on one NCCL stream; separate groups would still
+share the NIC), so a prefetched gather can wait behind reductions; compute runs beside it. The
+tables show each phase's collective time (summed over units) and how much of it is exposed; the
+"before" column is kept only to show what the rewrite removes.
+
+Times are alpha-beta: a collective costs a host call + NCCL's latency (a base plus one hop per ring
+step, NCCL's tuning model) + bytes / bus bandwidth; a matrix product costs a launch plus flops /
+throughput; elementwise work a launch per op plus bytes / memory bandwidth. Every constant below is
+named and commented. With this machine's calibrated figures (timed matmuls, a timed gloo all-gather
+and broadcast on 2 processes) the step formulas predict benchmarks/bench_optimizer_step.py --quick,
+which is run as a subprocess and compared.
 
     .venv/bin/python benchmarks/scaling_model.py            # calibrate, validate (~2-4 min), tables, plot
     .venv/bin/python benchmarks/scaling_model.py --quick    # CI smoke: short calibration, no validation run
+    ... --table runs/scaling.md --plot runs/scaling.png     # also write the tables as markdown
 """
 
 from __future__ import annotations
@@ -32,18 +59,24 @@ import statistics
 import subprocess
 import sys
 import time
+from bisect import bisect_right
+from collections.abc import Callable
 from dataclasses import dataclass, replace
+from functools import cache
 from types import SimpleNamespace
 
 import torch
 
+from megatron_mfsdp.compat.collectives import all_gather_single
 from megatron_mfsdp.optim.muon import NewtonSchulzCost, newton_schulz_cost
+from megatron_mfsdp.runtime.chain import CHUNK_BYTES
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # ----------------------------------------------------------------------------- assumptions
 # The paper's cluster: A100-80GB, 8 per node (MatrixFSDP, arXiv 2607.05895, Section "Setup").
 A100_BF16_PEAK = 312e12  # NVIDIA A100 datasheet: dense bf16 tensor-core peak, flop/s
+A100_MEMORY_BYTES = 80e9  # A100-80GB datasheet: HBM per GPU (a hybrid point above it is marked infeasible)
 NS_MATMUL_EFFICIENCY = 0.70  # assumed: cuBLAS bf16 GEMMs with all dims >= 1024 reach ~70% of peak
 FWD_BWD_MFU = 0.50  # assumed model-flops utilization of GPT forward/backward at seq 4096
 A100_HBM_BW = 2.0e12 * 0.8  # A100-80GB datasheet 2.0 TB/s; assumed 80% reached by elementwise kernels
@@ -52,25 +85,37 @@ GPU_CALL_OVERHEAD_S = 10e-6  # assumed: host cost of one torch.distributed call 
 GPUS_PER_NODE = 8
 # NCCL's own latency/bandwidth model (NVIDIA/nccl src/graph/tuning.cc, ncclTopoTuneModel): ring/LL
 # base latency 3.6 us, hop latency NVLink 0.47 us and network 2.7 us (intra-node hops x1.8 when the
-# ring spans nodes); sm80 bus bandwidth clamped at 235 GB/s. A broadcast costs base + nRanks hops.
+# ring spans nodes); sm80 bus bandwidth clamped at 235 GB/s. Ring all_gather/reduce_scatter: W-1
+# steps, nodes-1 of them on the network; ring broadcast/reduce: W steps at the network hop latency
+# once the communicator spans nodes (the branch for rings without the same channels; the physical
+# pipeline fill of a chunk through W ranks).
 NCCL_BASE_LAT_S = 3.6e-6
 NVLINK_HOP_S = 0.47e-6
 NET_HOP_S = 2.7e-6
 NVLINK_BUS_BW = 230e9  # assumed, just under NCCL's 235 GB/s clamp for A100 (DGX A100, NVSwitch)
 IB_BUS_BW = 23e9  # assumed: 8x HDR 200 Gb/s per node = 25 GB/s per GPU, 92% reached by NCCL rings
-A2A_PEER_LAT_S = 1.0e-6  # assumed: per-peer cost of NCCL's grouped send/recv in an all-to-all
+A2A_PEER_LAT_S = 1.0e-6  # assumed: per-peer cost of NCCL's grouped send/recv (the 'before' column only)
 # Training settings (the paper's: hidden 4096, FFN 16384, seq 4096, bf16, activation checkpointing).
 TOKENS_PER_GPU = 4096  # assumed: one 4096-token sequence per data-parallel rank and iteration
-MICRO_BATCHES = 1  # assumed: no gradient accumulation (the step is paid once per micro-batch)
+MICRO_BATCHES = 1  # assumed: no gradient accumulation (gathers and reductions are paid per micro-batch)
 ACT_CKPT_PASSES = 4  # forward + recomputed forward + backward (2x): 4 forward-equivalents of flops
 NS_STEPS = 5  # Newton-Schulz iterations (Megatron-LM's --muon-num-ns-steps default)
 GPU_NS = NewtonSchulzCost(NS_STEPS, "bf16", "auto")  # on CUDA: bf16, so the standard iteration
 CPU_NS = NewtonSchulzCost(NS_STEPS, "fp32", "auto", on_cpu=True)  # bench_optimizer_step.py's: Gram, symmetric products
 PARAM_BYTES = 2  # bf16 parameters: the bytes of a forward/backward gather
-GRAD_REDUCE_BYTES = 4  # fp32 gradient reduction (MatrixFSDPConfig grad_reduce_in_fp32 default)
+GRAD_REDUCE_BYTES = 4  # fp32 gradient reduction (MatrixFSDPConfig grad_reduce_in_fp32 default), both systems
 RECON_GATHER_BYTES = 4  # reconstruction gathers the fp32 Nesterov direction (testing/baselines.py)
-OURS_REDUCTION_OVERLAPPED = False  # today's runtime waits on the reduction inside the hook (design.md)
-RECON_GATHER_PREFETCHED = False  # stock FSDP2 Muon: one blocking all-gather per matrix
+RECON_GATHER_PREFETCHED = False  # stock FSDP2 Muon: one blocking all-gather per matrix in the step
+# The runtime's overlap on CUDA (MatrixFSDPConfig defaults; overlap_grad_reduce is on for CUDA).
+PREFETCH_DEPTH = 1  # MatrixFSDPConfig.prefetch_depth: units gathered ahead (forward) / behind (backward)
+MAX_REDUCES_IN_FLIGHT = 2  # MatrixFSDPConfig.max_reduces_in_flight
+VERIFY_COLLECTIVES = True  # MatrixFSDPConfig.verify_collectives: a 3-integer all-gather per unit operation (ours)
+EXACT_CHUNK_BYTES = CHUNK_BYTES  # runtime/chain.py: the rank-ordered chain's message size
+HYBRID_SHARD_RANKS = GPUS_PER_NODE  # assumed: --mfsdp-replicate-size chosen so a shard group has 8 DP ranks
+# Persistent bytes per owned element (docs/design.md "Memory per rank"): bf16 param 2 + fp32 grad 4
+# + fp32 master 4 + Muon momentum 4 (AdamW's 8 on the small tail ignored); activations not counted.
+PERSISTENT_BYTES_PER_ELEMENT = 14
+LATENCY_SHOWS_FRACTION = 0.10  # the brief's threshold: ring latencies above 10% of a gather's bandwidth term
 # Elementwise work per element (fp32 reads + writes, counted from optim/muon.py and adamw.py).
 MUON_ELEMENTWISE_BYTES = 64  # momentum lerp_, Nesterov lerp, casts/norm/scale, weight decay, add
 ADAMW_ELEMENTWISE_BYTES = 80  # the 8 tensor ops of adamw_step_
@@ -83,6 +128,7 @@ ADAMW_OPS_PER_PIECE = 8  # adamw_step_
 STAT_OPS_PER_PIECE = 3  # grad statistics: double, square, sum
 STEP_SHELL_OPS = 40  # assumed: Python work of an optimizer step outside the pieces (groups, casts, lr)
 GLOO_OVERSUBSCRIBED_LATENCY = True  # CPU: gloo latency grows with ranks per core (time-sharing)
+EQUAL_RTOL = 1e-9  # floating-point tolerance of "at or below" (DP 1: both systems are one program)
 
 # The paper's published numbers (MatrixFSDP, arXiv 2607.05895, Table 2: optimizer step in ms,
 # stock FSDP2 Muon -> MatrixFSDP; end-to-end speedup).
@@ -92,6 +138,8 @@ PAPER = {
     32: (12.9, 3079.0, 91.0, 2.15),
     64: (25.8, 5064.0, 93.0, 2.01),
 }
+GPU_COUNTS = (8, 16, 32, 64, 128, 256, 512, 1024)
+SYSTEMS = ("ours", "hybrid", "exact", "before", "recon")
 
 
 @dataclass(frozen=True)
@@ -161,7 +209,23 @@ def paper_gpt(gpus: int) -> Shape:
 LLAMA70B_TP8 = Shape("Llama-70B TP8", 80, 8192, 28672, 64, 8, 128256, 4096, 8, True, False, False, False)
 
 
+@dataclass(frozen=True)
+class Model:
+    key: str  # RESULT lines' model=
+    label: str
+    shape_for: Callable[[int], Shape]  # GPUs -> the shape trained on them
+    tp: int
+    hw: Hardware
+
+
+MODELS = (
+    Model("gpt", "paper GPT (hidden 4096, FFN 16384, 2 layers per GPU)", paper_gpt, 1, A100),
+    Model("llama", "Llama-3-70B TP8 (one DP rank per node)", lambda gpus: LLAMA70B_TP8, 8, A100_TP8),
+)
+
+
 # ----------------------------------------------------------------------------- the library's plan
+@cache
 def unit_specs_for(shape: Shape, ns: NewtonSchulzCost = GPU_NS):
     """UnitSpecs of a megatron-core GPT of this shape (TP-local), classified and costed by the library
     (runtime.wrapper.unit_specs with the GPT adapter's rules), from meta tensors: nothing allocated."""
@@ -212,6 +276,16 @@ def ns_flops(shape, split_rows, ns: NewtonSchulzCost = GPU_NS) -> int:
     return 2 * newton_schulz_cost(shape, split_rows, ns)
 
 
+@dataclass(frozen=True)
+class UnitStats:
+    name: str
+    numel: int  # U
+    matrix: int  # elements of the owners' matrices
+    tail: int  # T: elements split evenly
+    parts: int  # k: non-empty owner parts (broadcasts of a gather, reduces of a reduction)
+    max_segment: int  # the largest rank segment (matrix part + tail slice)
+
+
 @dataclass
 class PlanStats:
     """What the model needs of one plan: per rank and per unit."""
@@ -221,45 +295,54 @@ class PlanStats:
     matrices: list[list[tuple]]  # per rank: (shape, split_rows) of owned matrices
     tail: list[int]  # tail elements per rank
     tail_pieces: list[int]  # tail pieces per rank
-    unit_numel: list[int]
-    unit_segments: list[list[int]]  # [unit][rank]
-    unit_calls: list[int]  # non-empty owner parts per unit (broadcasts of a gather)
+    owned: list[int]  # elements per rank (persistent memory)
+    units: list[UnitStats]
     all_matrices: list[tuple]  # (shape, split_rows, numel) of every matrix
     all_tail: list[int]  # numel of every tail tensor
     planner_balance: str
 
 
-def plan_stats(specs, world: int, ns: NewtonSchulzCost = GPU_NS) -> PlanStats:
+@cache
+def plan_for(shape: Shape, world: int, ns: NewtonSchulzCost = GPU_NS) -> PlanStats:
+    """The library's plan of ``shape`` over ``world`` DP ranks, reduced to what the costs need."""
     from megatron_mfsdp.placement import WHOLE, plan_units
 
+    specs = unit_specs_for(shape, ns)
     plan = plan_units(specs, world, "auto")
-    flops, mats = [0] * world, [[] for _ in range(world)]
-    tail, tail_pieces = [0] * world, [0] * world
+    ps = PlanStats(
+        world, [0] * world, [[] for _ in range(world)], [0] * world, [0] * world, [0] * world, [], [], [], ""
+    )
     for unit in plan.units:
+        mb, tb = unit.matrix_bounds, unit.tail_bounds
         for slot in unit.slots:
             if slot.owner >= 0:
-                flops[slot.owner] += ns_flops(slot.shape, slot.split_rows, ns)
-                mats[slot.owner].append((slot.shape, slot.split_rows))
-        for r in range(world):
-            for piece in unit.local_pieces(r):
-                if piece.slot.storage != WHOLE:
-                    tail[r] += piece.numel
-                    tail_pieces[r] += 1
-    segs = [[u.segment_numel(r) for r in range(world)] for u in plan.units]
-    calls = [
-        sum(u.matrix_bounds[r + 1] > u.matrix_bounds[r] for r in range(world))
-        + sum(u.tail_bounds[r + 1] > u.tail_bounds[r] for r in range(world))
-        for u in plan.units
-    ]
-    all_m = [(p.shape, p.split_rows, p.numel) for u in specs for p in u.params if p.storage == WHOLE]
-    all_t = [p.numel for u in specs for p in u.params if p.storage != WHOLE]
-    report = plan.report().splitlines()[-1]
-    return PlanStats(
-        world, flops, mats, tail, tail_pieces, [u.numel for u in plan.units], segs, calls, all_m, all_t, report
-    )
+                ps.ns_flops[slot.owner] += ns_flops(slot.shape, slot.split_rows, ns)
+                ps.matrices[slot.owner].append((slot.shape, slot.split_rows))
+                ps.owned[slot.owner] += slot.numel
+            else:
+                _add_tail_slot(ps, tb, slot.offset - unit.matrix_numel, slot.numel)
+        parts = sum(mb[r + 1] > mb[r] for r in range(world))
+        biggest = max(mb[r + 1] - mb[r] + tb[r + 1] - tb[r] for r in range(world))
+        ps.units.append(UnitStats(unit.name, unit.numel, unit.matrix_numel, unit.tail_numel, parts, biggest))
+    ps.all_matrices = [(p.shape, p.split_rows, p.numel) for u in specs for p in u.params if p.storage == WHOLE]
+    ps.all_tail = [p.numel for u in specs for p in u.params if p.storage != WHOLE]
+    ps.planner_balance = plan.report().splitlines()[-1]
+    return ps
 
 
-# ----------------------------------------------------------------------------- cost formulas
+def _add_tail_slot(ps: PlanStats, bounds: list[int], lo: int, numel: int) -> None:
+    """Charge a tail tensor at [lo, lo + numel) of the even tail split to the ranks it overlaps."""
+    hi, r = lo + numel, bisect_right(bounds, lo) - 1
+    while r < ps.world and bounds[r] < hi:
+        n = min(hi, bounds[r + 1]) - max(lo, bounds[r])
+        if n > 0:
+            ps.tail[r] += n
+            ps.tail_pieces[r] += 1
+            ps.owned[r] += n
+        r += 1
+
+
+# ----------------------------------------------------------------------------- collectives
 def _nodes(hw: Hardware, group: int) -> int:
     return max(1, math.ceil(group / hw.per_node))
 
@@ -269,20 +352,32 @@ def _link(hw: Hardware, group: int) -> Link:
 
 
 def ring_latency(hw: Hardware, group: int, steps: int) -> float:
-    """NCCL ring latency: base + intra hops (x1.8 when spanning nodes) + network hops."""
+    """NCCL ring latency of an all-gather/reduce-scatter/all-reduce: base + intra hops (x1.8 when
+    spanning nodes) + network hops, plus the host call."""
     nodes = _nodes(hw, group)
     inter = min(steps, nodes - 1) if nodes > 1 else 0
     intra_hop = hw.intra.hop_s * (1.8 if nodes > 1 else 1.0)
     return hw.call_s + hw.base_lat_s + (steps - inter) * intra_hop + inter * hw.inter.hop_s
 
 
-def broadcast(hw: Hardware, group: int, nbytes: float) -> tuple[float, float]:
-    """(latency, bandwidth) of one ring broadcast: nRanks hops (tuning.cc), bytes / bus bandwidth."""
-    link = _link(hw, group)
-    return hw.call_s + hw.base_lat_s + group * link.hop_s, nbytes / link.bus_bw
+def rooted_latency(hw: Hardware, group: int) -> float:
+    """One pipelined ring broadcast or reduce (tuning.cc: nRanks steps at the hop latency of the
+    communicator's transport, the network once it spans nodes), plus the host call."""
+    return hw.call_s + hw.base_lat_s + group * _link(hw, group).hop_s
+
+
+def two_level_latency(hw: Hardware, group: int) -> float:
+    """A broadcast/reduce done in two levels: inside the node over NVLink, then across nodes on the
+    rails (two collectives, so two calls and two base latencies). Where a node holds one rank of the
+    group there is nothing to do inside it: the flat ring."""
+    local, nodes = min(group, hw.per_node), _nodes(hw, group)
+    if local == 1 or nodes == 1:
+        return rooted_latency(hw, group)
+    return 2 * (hw.call_s + hw.base_lat_s) + local * hw.intra.hop_s + nodes * hw.inter.hop_s
 
 
 def all_gather(hw: Hardware, group: int, total_bytes: float) -> float:
+    """Ring all-gather (or reduce-scatter: the same bytes and steps) of ``total_bytes`` in all."""
     if group == 1:
         return 0.0
     return ring_latency(hw, group, group - 1) + total_bytes * (group - 1) / group / _link(hw, group).bus_bw
@@ -295,8 +390,8 @@ def all_reduce(hw: Hardware, group: int, nbytes: float) -> float:
 
 
 def all_to_all(hw: Hardware, group: int, send: float, recv: float) -> float:
-    """Uneven all-to-all; the busiest direction of a rank bounds it. Peers on the same node are
-    reached over NVLink, the rest over the network."""
+    """Uneven all-to-all ('before' column only); the busiest direction of a rank bounds it. Peers on
+    the same node are reached over NVLink, the rest over the network."""
     if group == 1:
         return 0.0
     local = min(group, hw.per_node) - 1
@@ -304,6 +399,64 @@ def all_to_all(hw: Hardware, group: int, send: float, recv: float) -> float:
     worst = max(send, recv)
     bw_time = max(worst * (1 - remote) / hw.intra.bus_bw, worst * remote / hw.inter.bus_bw)
     return hw.call_s + hw.base_lat_s + (group - 1) * A2A_PEER_LAT_S + bw_time
+
+
+def verify_latency(hw: Hardware, group: int) -> float:
+    """verify_collectives: the 3-integer signature all-gather before each owner collective."""
+    return all_gather(hw, group, 12 * group) if VERIFY_COLLECTIVES else 0.0
+
+
+def owner_parts_latency(hw: Hardware, group: int, u: UnitStats, two_level: bool = False) -> float:
+    """The k+1 ring latencies of one owner gather/reduction (one rooted op per owner part, one
+    all_gather/reduce_scatter of the tail), serialised: conservative."""
+    if group == 1:
+        return 0.0
+    rooted = two_level_latency(hw, group) if two_level else rooted_latency(hw, group)
+    return u.parts * rooted + (ring_latency(hw, group, group - 1) if u.tail else 0.0)
+
+
+def owner_parts_bytes(group: int, u: UnitStats, elem_bytes: int) -> float:
+    """Bytes over the bus bandwidth of one owner gather/reduction: every owner part n_r passes
+    through every rank once (a ring broadcast: the root sends n_r, the others receive and forward
+    it, the ring's last only receives), and the group's rooted ops run one after another on the
+    ring, so their times add to sum n_r / bw; plus (W-1)/W of the padded tail. About U, whatever
+    the owners' split (ZeRO-3: (W-1)/W x U)."""
+    if group == 1:
+        return 0.0
+    return (u.matrix + (group - 1) * -(-u.tail // group)) * elem_bytes
+
+
+def owner_collective(hw: Hardware, group: int, u: UnitStats, elem_bytes: int, two_level: bool = False) -> float:
+    """One owner gather (broadcasts + tail all_gather) or reduction (reduces + tail reduce_scatter)."""
+    if group == 1:
+        return 0.0
+    nbytes = owner_parts_bytes(group, u, elem_bytes)
+    return verify_latency(hw, group) + owner_parts_latency(hw, group, u, two_level) + nbytes / _link(hw, group).bus_bw
+
+
+def exact_reduction(hw: Hardware, group: int, u: UnitStats) -> float:
+    """The rank-ordered chain: C chunks through W-1 links (C + W - 2 pipelined steps, each a p2p
+    send/recv pair: two host calls, a base and one hop latency, and the chunk's bytes), then one more
+    step handing each owner its summed segment (the owner's extra s_r in)."""
+    if group == 1:
+        return 0.0
+    link, nbytes = _link(hw, group), u.numel * GRAD_REDUCE_BYTES
+    chunks = max(1, math.ceil(nbytes / EXACT_CHUNK_BYTES))
+    step = 2 * hw.call_s + hw.base_lat_s + link.hop_s + nbytes / chunks / link.bus_bw
+    handoff = hw.call_s + hw.base_lat_s + link.hop_s + u.max_segment * GRAD_REDUCE_BYTES / link.bus_bw
+    return verify_latency(hw, group) + (chunks + group - 2) * step + handoff
+
+
+def before_gather(hw: Hardware, group: int, u: UnitStats) -> float:
+    """The all-to-all runtime's gather: every owner sends its segment to each of its W-1 peers."""
+    send, recv = (group - 1) * u.max_segment * PARAM_BYTES, u.numel * PARAM_BYTES
+    return verify_latency(hw, group) + all_to_all(hw, group, send, recv) if group > 1 else 0.0
+
+
+def before_reduction(hw: Hardware, group: int, u: UnitStats) -> float:
+    """The all-to-all runtime's reduction: an owner receives W-1 full copies of its segment."""
+    send, recv = u.numel * GRAD_REDUCE_BYTES, (group - 1) * u.max_segment * GRAD_REDUCE_BYTES
+    return verify_latency(hw, group) + all_to_all(hw, group, send, recv) if group > 1 else 0.0
 
 
 def matmul_time(hw: Hardware, shape, split_rows) -> float:
@@ -352,62 +505,141 @@ def step_recon(hw: Hardware, ps: PlanStats) -> float:
     return total + tail_time(hw, tail, len(ps.all_tail)) + shell + all_reduce(hw, w, 8)
 
 
-@dataclass
-class UnitTimes:
-    compute_fwd: float
-    compute_bwd: float
-    gather_lat: float  # ours: sum of the per-owner broadcast latencies
-    gather_bw: float
-    reduce: float  # ours today: owner all-to-alls (+ replica all-reduce)
-    reduce_ring: float  # ours with one pipelined ring reduce per owner part (what coalescing could use)
-    zero3_gather: float
-    zero3_reduce: float
+# ----------------------------------------------------------------------------- units and the pipeline
+@dataclass(frozen=True)
+class UnitCost:
+    fwd: float  # forward compute
+    bwd: float  # recomputed forward + backward compute
+    gather: float  # one gather of the unit's parameters (forward, and again in backward)
+    reduce: float  # its gradient reduction
 
 
-def unit_times(hw: Hardware, shape: Shape, ps: PlanStats, u: int, replicas: int = 1) -> UnitTimes:
-    s, w, numel = shape, ps.world, ps.unit_numel[u]
-    flops = 2 * numel * TOKENS_PER_GPU
-    if ps.unit_numel[u] and 0 < u < len(ps.unit_numel) - 1:  # a transformer layer: add attention
-        flops += 4 * TOKENS_PER_GPU**2 * s.hidden // s.tp
+def unit_compute(hw: Hardware, shape: Shape, ps: PlanStats, u: int) -> tuple[float, float]:
+    """(forward, backward) compute of unit ``u``: 2 flops per parameter and token, attention on top
+    for a layer, the TP all-reduces of the activations (over NVLink, not overlapped) under TP."""
+    layer = 0 < u < len(ps.units) - 1
+    flops = 2 * ps.units[u].numel * TOKENS_PER_GPU
+    if layer:
+        flops += 4 * TOKENS_PER_GPU**2 * shape.hidden // shape.tp
     tp_comm = 0.0
-    if s.tp > 1 and 0 < u < len(ps.unit_numel) - 1:  # 2 TP all-reduces of the activations per pass
-        tp_comm = 2 * all_reduce(replace(hw, per_node=GPUS_PER_NODE), s.tp, TOKENS_PER_GPU * s.hidden * PARAM_BYTES)
+    if shape.tp > 1 and layer:  # 2 TP all-reduces of the activations per pass
+        tp_hw = replace(hw, per_node=GPUS_PER_NODE)
+        tp_comm = 2 * all_reduce(tp_hw, shape.tp, TOKENS_PER_GPU * shape.hidden * PARAM_BYTES)
     fwd = flops / hw.fwd_bwd_flops + tp_comm
-    bwd = (ACT_CKPT_PASSES - 1) * fwd
-    lat, bw = broadcast(hw, w, 0)
-    gather_lat = ps.unit_calls[u] * lat
-    gather_bw = broadcast(hw, w, numel * PARAM_BYTES)[1] if w > 1 else 0.0
-    segs = ps.unit_segments[u]
-    reduce = 0.0
-    if w > 1:
-        worst = max(range(w), key=lambda r: max(numel - segs[r], (w - 1) * segs[r]))
-        for frac in (0.5, 0.5):  # two calls (matrix region, tail region); bytes split between them
-            send, recv = numel - segs[worst], (w - 1) * segs[worst]
-            reduce += all_to_all(hw, w, frac * send * GRAD_REDUCE_BYTES, frac * recv * GRAD_REDUCE_BYTES)
-    reduce_ring = 0.0 if w == 1 else ps.unit_calls[u] * lat + numel * GRAD_REDUCE_BYTES / _link(hw, w).bus_bw
-    if replicas > 1:
-        rep_hw = replace(hw, per_node=1)  # replicas of a segment sit on different nodes
-        extra = all_reduce(rep_hw, replicas, max(segs) * GRAD_REDUCE_BYTES)
-        reduce, reduce_ring = reduce + extra, reduce_ring + extra
-    full = w * replicas
-    zg = all_gather(hw, full, numel * PARAM_BYTES)
-    zr = all_gather(hw, full, numel * GRAD_REDUCE_BYTES)  # a reduce-scatter moves what an all-gather does
-    return UnitTimes(fwd, bwd, gather_lat, gather_bw, reduce, reduce_ring, zg, zr)
+    return fwd, (ACT_CKPT_PASSES - 1) * fwd
 
 
-def iteration(hw: Hardware, shape: Shape, ps: PlanStats, replicas: int = 1, variant: str = "today"):
-    """(ours, recon) forward+backward time per micro-batch, before the step. variant: 'today'
-    (all-to-all reduction, blocking unless OURS_REDUCTION_OVERLAPPED), 'overlap' (issue 11 item 1),
-    'ring' (overlapped, and one ring reduce per owner part instead of the all-to-all)."""
-    overlap = variant != "today" or OURS_REDUCTION_OVERLAPPED
-    ours = recon = 0.0
-    for u in range(len(ps.unit_numel)):
-        t = unit_times(hw, shape, ps, u, replicas)
-        g, red = t.gather_lat + t.gather_bw, (t.reduce_ring if variant == "ring" else t.reduce)
-        ours += max(t.compute_fwd, g)
-        ours += max(t.compute_bwd, g + red) if overlap else max(t.compute_bwd, g) + red
-        recon += max(t.compute_fwd, t.zero3_gather) + max(t.compute_bwd, t.zero3_gather + t.zero3_reduce)
-    return ours, recon
+def unit_comm(hw: Hardware, group: int, u: UnitStats, system: str, replicas: int = 1, two_level: bool = False):
+    """(gather, reduction) of one unit for ``system`` over ``group`` ranks."""
+    if system == "recon":
+        padded = -(-u.numel // group) * group
+        return all_gather(hw, group, padded * PARAM_BYTES), all_gather(hw, group, padded * GRAD_REDUCE_BYTES)
+    if system == "before":
+        return before_gather(hw, group, u), before_reduction(hw, group, u)
+    gather = owner_collective(hw, group, u, PARAM_BYTES, two_level)
+    if system == "exact":
+        reduce = exact_reduction(hw, group, u)
+    else:
+        reduce = owner_collective(hw, group, u, GRAD_REDUCE_BYTES, two_level)
+    if replicas > 1:  # hybrid: each segment all-reduced over its replicas, which sit on different nodes
+        reduce += all_reduce(replace(hw, per_node=1), replicas, u.max_segment * GRAD_REDUCE_BYTES)
+    return gather, reduce
+
+
+@dataclass(frozen=True)
+class Phases:
+    fwd_gather: float  # collective time of the phase, summed over units
+    bwd_gather: float
+    reduce: float
+    fwd: float  # wall time of the forward
+    bwd: float  # wall time of the backward, until the last reduction has landed
+    fwd_exposed: float  # of the forward's wall time, what compute does not cover
+    bwd_exposed: float
+    tail: float  # after the last backward compute: waiting for the reductions still in flight
+
+
+def _pass(costs: list[UnitCost], order: list[int], t0: float, comm: float, backward: bool):
+    """One pass over ``order``: gathers prefetched PREFETCH_DEPTH ahead, issued when a unit starts
+    computing; in backward, each unit's reduction issued when its compute ends, at most
+    MAX_REDUCES_IN_FLIGHT in flight (the host waits for the oldest first). Gathers and reductions
+    share one FIFO link (comm: when it is next free). Returns (compute end, last landing, comm)."""
+    ready, flight, comp = [], [], t0
+    for i, j in enumerate(order):
+        if len(ready) == i:  # not prefetched (the first unit): gathered once the previous compute is done
+            comm = max(comm, comp) + costs[j].gather
+            ready.append(comm)
+        start = max(comp, ready[i])
+        while len(ready) < min(len(order), i + 1 + PREFETCH_DEPTH):
+            comm = max(comm, start) + costs[order[len(ready)]].gather
+            ready.append(comm)
+        comp = start + (costs[j].bwd if backward else costs[j].fwd)
+        if backward:
+            if len(flight) >= MAX_REDUCES_IN_FLIGHT:
+                comp = max(comp, flight.pop(0))
+            comm = max(comm, comp) + costs[j].reduce
+            flight.append(comm)
+    return comp, max([comp, *flight]), comm
+
+
+def simulate(costs: list[UnitCost]) -> Phases:
+    """Forward then backward of one micro-batch."""
+    n = len(costs)
+    fwd_end, _, comm = _pass(costs, list(range(n)), 0.0, 0.0, False)
+    bwd_comp, bwd_end, _ = _pass(costs, list(range(n - 1, -1, -1)), fwd_end, comm, True)
+    gathers = sum(c.gather for c in costs)
+    fwd_c, bwd_c = sum(c.fwd for c in costs), sum(c.bwd for c in costs)
+    bwd = bwd_end - fwd_end
+    reduce = sum(c.reduce for c in costs)
+    return Phases(gathers, gathers, reduce, fwd_end, bwd, fwd_end - fwd_c, bwd - bwd_c, bwd_end - bwd_comp)
+
+
+@dataclass(frozen=True)
+class Row:
+    """One system at one GPU count of one model."""
+
+    model: str
+    gpus: int
+    dp: int
+    system: str
+    replicas: int
+    phases: Phases
+    step: float
+    mem_bytes: float  # persistent bytes per rank (the busiest)
+
+    @property
+    def iteration(self) -> float:
+        return MICRO_BATCHES * (self.phases.fwd + self.phases.bwd) + self.step
+
+
+def _costs(model: Model, shape: Shape, ps: PlanStats, system: str, replicas: int, two_level: bool):
+    costs = []
+    for i, u in enumerate(ps.units):
+        fwd, bwd = unit_compute(model.hw, shape, ps, i)
+        costs.append(UnitCost(fwd, bwd, *unit_comm(model.hw, ps.world, u, system, replicas, two_level)))
+    return costs
+
+
+def hybrid_replicas(dp: int) -> int:
+    return dp // min(dp, HYBRID_SHARD_RANKS)
+
+
+def evaluate(model: Model, gpus: int, systems=SYSTEMS, two_level: bool = False) -> dict[str, Row]:
+    """Every system at ``gpus`` GPUs: per-phase times, step and persistent memory."""
+    shape, dp, hw = model.shape_for(gpus), gpus // model.tp, model.hw
+    full, reps = plan_for(shape, dp), hybrid_replicas(dp)
+    shard = plan_for(shape, dp // reps)
+    step_full = step_ours(hw, full, dp)
+    rows = {}
+    for system in systems:
+        ps, r = (shard, reps) if system == "hybrid" else (full, 1)
+        if system == "recon":
+            step, mem = step_recon(hw, full), sum(full.owned) / dp * PERSISTENT_BYTES_PER_ELEMENT
+        else:
+            step = step_ours(hw, ps, dp) if r > 1 else step_full
+            mem = max(ps.owned) * PERSISTENT_BYTES_PER_ELEMENT
+        phases = simulate(_costs(model, shape, ps, system, r, two_level))
+        rows[system] = Row(model.key, gpus, dp, system, r, phases, step, mem)
+    return rows
 
 
 # ----------------------------------------------------------------------------- calibration (this machine)
@@ -429,7 +661,7 @@ def _gloo_worker(rank, world, sizes, reps):
         x = torch.ones(n)
         full = torch.empty(n * world)
         dist.barrier()
-        out[("all_gather", n)] = _timeit(lambda x=x, full=full: dist.all_gather_into_tensor(full, x), reps)
+        out[("all_gather", n)] = _timeit(lambda x=x, full=full: all_gather_single(full, x), reps)
         y = torch.ones(n * world)
         dist.barrier()
         out[("broadcast", n)] = _timeit(lambda y=y: dist.broadcast(y, src=0), reps)
@@ -502,90 +734,11 @@ def validate(cal: dict, cores: int) -> list[tuple]:
         int(m.group(1)): (float(m.group(2)), float(m.group(3)))
         for m in re.finditer(r"RESULT W=(\d+) ours_ms=([\d.]+) recon_ms=([\d.]+)", proc.stdout)
     }
-    specs = unit_specs_for(QUICK_BENCH_SHAPE, CPU_NS)
     rows = []
     for w, (ours_ms, recon_ms) in sorted(measured.items()):
-        hw, ps = cpu_hardware(cal, w, cores), plan_stats(specs, w, CPU_NS)
+        hw, ps = cpu_hardware(cal, w, cores), plan_for(QUICK_BENCH_SHAPE, w, CPU_NS)
         rows.append((w, ours_ms, 1e3 * step_ours(hw, ps, w), recon_ms, 1e3 * step_recon(hw, ps)))
     return rows
-
-
-# ----------------------------------------------------------------------------- studies
-def fanout(hw: Hardware, shape: Shape, worlds, layer_unit: int = 1):
-    """Per layer unit, ours' gather latency (owner fan-out) against its bandwidth term and compute."""
-    specs = unit_specs_for(shape)
-    rows = []
-    for w in worlds:
-        ps = plan_stats(specs, w)
-        t = unit_times(hw, shape, ps, layer_unit)
-        rows.append((w, t.gather_lat, t.gather_bw, t.compute_fwd, ps.unit_calls[layer_unit]))
-    return rows
-
-
-def first_w(rows, index: int):
-    return next((w for w, lat, *rest in rows if lat > rest[index - 2]), None)
-
-
-def series(hw: Hardware, shape_for, gpus_list, tp: int = 1, replicate: int = 1):
-    """Per GPU count: (gpus, ours step, recon step, ours iteration today, overlapped, overlapped with ring
-    reduces, recon iteration, plan stats); an iteration includes its step."""
-    out = []
-    for gpus in gpus_list:
-        shape = shape_for(gpus)
-        dp = gpus // tp
-        ps = plan_stats(unit_specs_for(shape), dp // replicate)
-        full = plan_stats(unit_specs_for(shape), dp) if replicate > 1 else ps
-        so, sr = step_ours(hw, ps, dp), step_recon(hw, full)
-        io, ir = iteration(hw, shape, ps, replicate)
-        ioo, _ = iteration(hw, shape, ps, replicate, "overlap")
-        iring, _ = iteration(hw, shape, ps, replicate, "ring")
-        m = MICRO_BATCHES
-        out.append((gpus, so, sr, m * io + so, m * ioo + so, m * iring + so, m * ir + sr, ps))
-    return out
-
-
-def print_assumptions():
-    print("=== assumptions (named constants in benchmarks/scaling_model.py) ===")
-    names = [k for k, v in globals().items() if k.isupper() and isinstance(v, (int, float, bool)) and k != "ROOT"]
-    print(", ".join(f"{k}={globals()[k]:g}" for k in names))
-
-
-def plot(path, paper_rows, llama_rows, hybrid_rows, fan_rows, fan_w):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(1, 3, figsize=(16, 4.8))
-    g = [r[0] for r in paper_rows]
-    ax[0].plot(g, [1e3 * r[1] for r in paper_rows], "o-", label="ours (model)")
-    ax[0].plot(g, [1e3 * r[2] for r in paper_rows], "s-", label="reconstruction (model)")
-    pw = [w for w in g if w in PAPER]
-    ax[0].plot(pw, [PAPER[w][2] for w in pw], "o--", label="MatrixFSDP (paper)")
-    ax[0].plot(pw, [PAPER[w][1] for w in pw], "s--", label="FSDP2 Muon (paper)")
-    ax[0].set(xscale="log", yscale="log", xlabel="GPUs (= W, 2 layers per GPU)", ylabel="optimizer step, ms")
-    ax[0].set_title("paper GPT, weak scaling")
-    g = [r[0] for r in llama_rows]
-    ax[1].plot(g, [1e3 * r[1] for r in llama_rows], "o-", label="ours step")
-    ax[1].plot(g, [1e3 * r[2] for r in llama_rows], "s-", label="recon step")
-    ax[1].plot(g, [1e3 * r[3] for r in llama_rows], "^-", label="ours iteration")
-    ax[1].plot(g, [1e3 * r[5] for r in llama_rows], "^:", label="ours iteration, ring reduce + overlap")
-    ax[1].plot(g, [1e3 * r[6] for r in llama_rows], "v-", label="recon iteration")
-    ax[1].plot([r[0] for r in hybrid_rows], [1e3 * r[3] for r in hybrid_rows], "x--", label="ours iteration, hybrid")
-    ax[1].set(xscale="log", yscale="log", xlabel="GPUs (TP8 x DP W)", ylabel="ms", title="Llama-70B TP8")
-    w = [r[0] for r in fan_rows]
-    ax[2].plot(w, [1e3 * r[1] for r in fan_rows], "o-", label="gather latency (fan-out)")
-    ax[2].plot(w, [1e3 * r[2] for r in fan_rows], "s-", label="gather bandwidth")
-    ax[2].plot(w, [1e3 * r[3] for r in fan_rows], "^-", label="forward compute")
-    if fan_w:
-        ax[2].axvline(fan_w, color="gray", ls=":")
-    ax[2].set(xscale="log", yscale="log", xlabel="W (data-parallel ranks)", ylabel="ms per layer unit")
-    ax[2].set_title("GPT 25.8B: one layer's gather")
-    for a in ax:
-        a.legend(fontsize=7)
-        a.grid(True, which="both", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
 
 
 def print_calibration(cal):
@@ -615,84 +768,272 @@ def print_validation(rows):
         print(f"VALID W={w} ours_meas_ms={om:.2f} ours_pred_ms={op_:.2f} recon_meas_ms={rm:.2f} recon_pred_ms={rp:.2f}")
 
 
-def _pred_line(setting, row):
-    gpus, so, sr, io, ioo, iring, ir, _ = row
-    print(
-        f"PRED setting={setting} gpus={gpus} ours_step_ms={1e3 * so:.3f} recon_step_ms={1e3 * sr:.3f} "
-        f"ours_iter_ms={1e3 * io:.3f} ours_ring_iter_ms={1e3 * iring:.3f} recon_iter_ms={1e3 * ir:.3f}"
-    )
+# ----------------------------------------------------------------------------- studies and output
+LABELS = {
+    "ours": "ours",
+    "hybrid": "ours-hybrid",
+    "exact": "ours-exact",
+    "before": "before (all-to-all runtime)",
+    "recon": "ZeRO-3 + recon",
+}
+LLAMA_DP_SWEEP = (8, 16, 32, 64, 128, 256, 512, 1024)  # DP ranks of Llama's latency study (64 to 8192 GPUs)
 
 
-def print_paper(rows):
-    print(f"\n=== paper settings on {A100.name}: hidden 4096, FFN 16384, seq 4096, bf16, 2 layers per GPU ===")
-    print(
-        "step ms: model ours / recon (ratio) | paper FSDP2 Muon -> MatrixFSDP (ratio); iteration ms: ours today, "
-        "+overlap, +ring reduce, recon; e2e = recon / ours today (ring) | paper e2e"
-    )
-    for row in rows:
-        gpus, so, sr, io, ioo, iring, ir, ps = row
-        params = (sum(n for _, _, n in ps.all_matrices) + sum(ps.all_tail)) / 1e9
-        pub = PAPER.get(gpus)
-        paper = f"{pub[1]:>5.0f} -> {pub[2]:<3.0f} ({pub[1] / pub[2]:>4.1f}x)" if pub else f"{'-':>19}"
-        print(
-            f"{gpus:>5} GPUs {params:>6.2f}B | {1e3 * so:>5.0f} / {1e3 * sr:>6.0f} ({sr / so:>5.1f}x) | {paper} | "
-            f"{1e3 * io:>6.0f} {1e3 * ioo:>6.0f} {1e3 * iring:>6.0f} {1e3 * ir:>6.0f}  e2e {ir / io:>4.2f} "
-            f"({ir / iring:>4.2f}) | {pub[3] if pub else '-'} | {ps.planner_balance}"
+def _ms(seconds: float) -> str:
+    ms = 1e3 * seconds
+    return f"{ms:.2f}" if ms < 10 else f"{ms:.1f}" if ms < 1000 else f"{ms:,.0f}"
+
+
+def _gb(row: Row) -> str:
+    return f"{row.mem_bytes / 1e9:.1f}" + ("!" if row.mem_bytes > A100_MEMORY_BYTES else "")
+
+
+def summary_table(model: Model, rows: dict) -> list[str]:
+    out = [
+        f"### {model.label}: iteration and step, ms (! = persistent state over the A100's 80 GB)",
+        "",
+        "| GPUs | DP | ours | ours-hybrid (R) | ours-exact | before (all-to-all) | ZeRO-3 + recon | recon/ours "
+        "| paper e2e | step ours | step recon | paper step FSDP2 -> MatrixFSDP | GB/rank ours | GB/rank hybrid |",
+        "|" + "---:|" * 14,
+    ]
+    for gpus, s in rows.items():
+        o, h, r = s["ours"], s["hybrid"], s["recon"]
+        pub = PAPER.get(gpus) if model.key == "gpt" else None
+        cells = [
+            str(gpus),
+            str(o.dp),
+            _ms(o.iteration),
+            f"{_ms(h.iteration)} ({h.replicas})",
+            _ms(s["exact"].iteration),
+            _ms(s["before"].iteration),
+            _ms(r.iteration),
+            f"{r.iteration / o.iteration:.2f}",
+            f"{pub[3]:.2f}" if pub else "-",
+            _ms(o.step),
+            _ms(r.step),
+            f"{pub[1]:.0f} -> {pub[2]:.0f}" if pub else "-",
+            _gb(o),
+            _gb(h),
+        ]
+        out.append("| " + " | ".join(cells) + " |")
+    return out
+
+
+def phase_table(model: Model, rows: dict) -> list[str]:
+    out = [
+        f"### {model.label}: per phase, ms per iteration",
+        "",
+        "fwd/bwd gather, reduction: collective time summed over units; exposed: wall time that compute "
+        "does not cover; bwd tail: waiting for the last reductions after the backward's compute.",
+        "",
+        "| GPUs | DP | system | fwd gather | bwd gather | reduction | fwd exposed | bwd exposed | bwd tail "
+        "| step | iteration |",
+        "|---:|---:|---|" + "---:|" * 8,
+    ]
+    for gpus, s in rows.items():
+        for name, row in s.items():
+            p = row.phases
+            label = f"ours-hybrid R={row.replicas}" if name == "hybrid" else LABELS[name]
+            cells = [
+                p.fwd_gather,
+                p.bwd_gather,
+                p.reduce,
+                p.fwd_exposed,
+                p.bwd_exposed,
+                p.tail,
+                row.step,
+                row.iteration,
+            ]
+            out.append(f"| {gpus} | {row.dp} | {label} | " + " | ".join(_ms(c) for c in cells) + " |")
+    return out
+
+
+def result_lines(model: Model, rows: dict) -> list[str]:
+    out = []
+    for gpus, s in rows.items():
+        o, r = s["ours"], s["recon"]
+        iters = " ".join(f"{k}_ms={1e3 * s[k].iteration:.3f}" for k in SYSTEMS)
+        out.append(
+            f"RESULT model={model.key} gpus={gpus} dp={o.dp} {iters} hybrid_replicas={s['hybrid'].replicas} "
+            f"recon_over_ours={r.iteration / o.iteration:.4f} ours_step_ms={1e3 * o.step:.3f} "
+            f"recon_step_ms={1e3 * r.step:.3f}"
         )
-        _pred_line("paper", row)
-    ps = rows[0][-1]
+        for name, row in s.items():
+            p = row.phases
+            fields = dict(fwd_gather=p.fwd_gather, bwd_gather=p.bwd_gather, reduce=p.reduce, fwd_exposed=p.fwd_exposed)
+            fields |= dict(bwd_exposed=p.bwd_exposed, tail=p.tail, step=row.step, iter=row.iteration)
+            kv = " ".join(f"{k}_ms={1e3 * v:.3f}" for k, v in fields.items())
+            out.append(f"PHASE model={model.key} gpus={gpus} system={name} {kv}")
+    return out
+
+
+def done_criterion(rows_by_model: dict) -> list[str]:
+    """The issue's Done criterion: ours at or below ZeRO-3 + recon at every W, for both models."""
+    out, every = [], True
+    for model in MODELS:
+        rows = rows_by_model[model.key]
+        ratio = {g: s["recon"].iteration / s["ours"].iteration for g, s in rows.items()}
+        failing = [g for g, s in rows.items() if s["ours"].iteration > s["recon"].iteration * (1 + EQUAL_RTOL)]
+        worst = min(ratio, key=ratio.get)
+        fails = ",".join(map(str, failing)) or "-"
+        every &= not failing
+        out.append(
+            f"RESULT done_criterion model={model.key} ours_at_or_below_recon={'no' if failing else 'yes'} "
+            f"worst_recon_over_ours={ratio[worst]:.3f} at_gpus={worst} failing_gpus={fails} "
+            f"gpus={','.join(map(str, rows))}"
+        )
+    out.append(f"RESULT done_criterion all={'yes' if every else 'no'}")
+    return out
+
+
+def paper_note() -> str:
+    ps, paper_ms = plan_for(paper_gpt(8), 8), PAPER[8][2]
     busiest = max(ps.ns_flops)
-    need = busiest / (PAPER[rows[0][0]][2] / 1e3)
-    print(
-        f"note: the paper's {PAPER[rows[0][0]][2]:.0f} ms at {rows[0][0]} GPUs needs {need / 1e12:.0f} TFLOP/s for the "
+    need = busiest / (paper_ms / 1e3)
+    return (
+        f"note: the paper's {paper_ms:.0f} ms step at 8 GPUs needs {need / 1e12:.0f} TFLOP/s for the "
         f"{busiest / 1e12:.1f} TFLOP of Newton-Schulz ({NS_STEPS} steps) its busiest owner has in this shape; "
         f"A100 bf16 peak is {A100_BF16_PEAK / 1e12:.0f}: the paper's setting must differ from this reading"
     )
 
 
-def print_llama(rows, hybrid_rows, hybrid_rep):
-    print(f"\n=== Llama-70B TP8 (TP-local shards, blockwise Muon; DP ranks on different nodes) on {A100.name} ===")
-    print("step ms ours / recon (ratio); iteration ms: ours today, +overlap, +ring reduce, recon")
-    for row in rows:
-        gpus, so, sr, io, ioo, iring, ir, _ = row
-        print(
-            f"{gpus:>5} GPUs DP {gpus // 8:>4} | {1e3 * so:>5.0f} / {1e3 * sr:>5.0f} ({sr / so:>5.1f}x) | "
-            f"{1e3 * io:>7.0f} {1e3 * ioo:>7.0f} {1e3 * iring:>6.0f} {1e3 * ir:>6.0f}"
-        )
-        _pred_line("llama", row)
-    for gpus, so, _, io, ioo, iring, _, _ in hybrid_rows:
-        print(
-            f"hybrid --mfsdp-replicate-size {hybrid_rep(gpus)} at {gpus} GPUs (shard groups of 16 DP ranks): step "
-            f"{1e3 * so:.0f} ms, iteration today {1e3 * io:.0f}, +overlap {1e3 * ioo:.0f}, +ring {1e3 * iring:.0f}"
-        )
+def latency_points(model: Model, gpus_list) -> list[SimpleNamespace]:
+    """Per GPU count, the busiest layer unit (most owner parts, then most elements): its gather's k+1
+    ring latencies, bandwidth term and forward compute."""
+    points = []
+    for gpus in gpus_list:
+        shape, dp = model.shape_for(gpus), gpus // model.tp
+        ps = plan_for(shape, dp)
+        i = max(range(1, len(ps.units) - 1), key=lambda k: (ps.units[k].parts, ps.units[k].numel))
+        u, link = ps.units[i], _link(model.hw, dp)
+        bw = owner_parts_bytes(dp, u, PARAM_BYTES) / link.bus_bw
+        lat, two = owner_parts_latency(model.hw, dp, u), owner_parts_latency(model.hw, dp, u, two_level=True)
+        fwd = unit_compute(model.hw, shape, ps, i)[0]
+        points.append(SimpleNamespace(gpus=gpus, dp=dp, unit=u, lat=lat, two=two, bw=bw, fwd=fwd))
+    return points
 
 
-def print_fanout(rows, label):
-    print(f"\n=== owner fan-out of the gather, one layer of {label} (fixed model, W data-parallel ranks) ===")
-    print(f"{'W':>5} {'calls':>6} {'latency ms':>10} {'bandwidth ms':>12} {'fwd compute ms':>14}")
-    for w, lat, bw, comp, calls in rows:
-        print(f"{w:>5} {calls:>6} {1e3 * lat:>10.2f} {1e3 * bw:>12.2f} {1e3 * comp:>14.2f}")
+def _two_level_saving(model: Model, gpus: int) -> tuple[float, float]:
+    """(flat, two-level) iteration of ours at ``gpus`` GPUs."""
+    flat = evaluate(model, gpus, ("ours",))["ours"].iteration
+    return flat, evaluate(model, gpus, ("ours",), two_level=True)["ours"].iteration
 
 
-def hybrid_at(shape: Shape, w: int, replicas: int):
-    """Ours at W ranks, fully sharded vs hybrid (shard groups of W / replicas)."""
-    full, hyb = plan_stats(unit_specs_for(shape), w), plan_stats(unit_specs_for(shape), w // replicas)
-    ft, ht = unit_times(A100, shape, full, 1), unit_times(A100, shape, hyb, 1, replicas)
-    sf, sh = step_ours(A100, full, w), step_ours(A100, hyb, w)
-    itf, ith = iteration(A100, shape, full)[0] + sf, iteration(A100, shape, hyb, replicas)[0] + sh
-    print(
-        f"HYBRID W={w} replicate_size={replicas} shard={w // replicas} gather_lat_ms full={1e3 * ft.gather_lat:.3f} "
-        f"hybrid={1e3 * ht.gather_lat:.3f} reduce_ms full={1e3 * ft.reduce:.2f} hybrid={1e3 * ht.reduce:.2f} "
-        f"iter_ms full={1e3 * itf:.0f} hybrid={1e3 * ith:.0f} step_ms full={1e3 * sf:.0f} hybrid={1e3 * sh:.0f} "
-        f"persistent_memory_x={replicas}"
+def _where(p: SimpleNamespace, model: Model, detail: str = "") -> str:
+    """'W=dp' with the GPU count where it differs, and ``detail``, in one parenthesis."""
+    inner = "; ".join(x for x in (f"{p.gpus} GPUs" if model.tp > 1 else "", detail) if x)
+    return f"W={p.dp}" + (f" ({inner})" if inner else "")
+
+
+def _threshold_text(model: Model, pts: list, w10, wc) -> str:
+    u, first, last, pct = (w10 or pts[-1]).unit, pts[0], pts[-1], round(100 * LATENCY_SHOWS_FRACTION)
+    text = (
+        f"{model.label}: the busiest layer unit ({u.name}: k={u.parts} owner parts + {int(u.tail > 0)} tail "
+        f"all-gather, {u.numel * PARAM_BYTES / 1e6:.0f} MB bf16) has k+1 ring latencies of {_ms(first.lat)} ms "
+        f"per gather against {_ms(first.bw)} ms of bandwidth at {_where(first, model)}. They "
     )
+    p = w10 or last
+    text += f"pass {pct}% of the bandwidth term at " if w10 else f"stay under {pct}% of the bandwidth term up to "
+    text += _where(p, model, f"{_ms(p.lat)} vs {_ms(p.bw)} ms")
+    p = wc or last
+    text += " and the unit's forward compute at " if wc else " and stay under its forward compute up to "
+    return text + _where(p, model, f"{_ms(p.lat)} vs {_ms(p.fwd)} ms") + ". "
+
+
+def _two_level_text(model: Model, at, last, saving: tuple, saving_last: tuple) -> str:
+    (flat, two), (flat_last, two_last) = saving, saving_last
+    if model.hw.per_node == 1:
+        return (
+            f"Each node holds one of its DP ranks, so a two-level broadcast/reduce has nothing to do inside a node "
+            f"and saves {_ms(flat - two)} ms per iteration at {_where(at, model)}."
+        )
+    n = model.hw.per_node
+    return (
+        f"A two-level broadcast/reduce (over NVLink inside the node, then across nodes on rails: two base "
+        f"latencies + {n} NVLink hops + W/{n} network hops instead of W network hops) cuts that gather's latency "
+        f"from {_ms(at.lat)} to {_ms(at.two)} ms at {_where(at, model)} and would save {_ms(flat - two)} ms per "
+        f"iteration there ({_ms(flat)} -> {_ms(two)} ms, {100 * (1 - two / flat):.1f}%); at {_where(last, model)}, "
+        f"{_ms(last.lat)} -> {_ms(last.two)} ms per gather and {_ms(flat_last - two_last)} ms per iteration "
+        f"({100 * (1 - two_last / flat_last):.1f}%)."
+    )
+
+
+def latency_study(model: Model, gpus_list) -> list[str]:
+    """Where the per-part ring latency starts to show, and what a two-level version saves there."""
+    pts = latency_points(model, gpus_list)
+    w10 = next((p for p in pts if p.lat > LATENCY_SHOWS_FRACTION * p.bw), None)
+    wc = next((p for p in pts if p.lat > p.fwd), None)
+    at, last = w10 or pts[-1], pts[-1]
+    saving, saving_last = _two_level_saving(model, at.gpus), _two_level_saving(model, last.gpus)
+    text = _threshold_text(model, pts, w10, wc) + _two_level_text(model, at, last, saving, saving_last)
+    line = (
+        f"LATENCY model={model.key} busiest={at.unit.name} parts={at.unit.parts} w_10pct={w10.dp if w10 else 'none'} "
+        f"w_compute={wc.dp if wc else 'none'} at_w={at.dp} flat_iter_ms={1e3 * saving[0]:.3f} "
+        f"two_level_iter_ms={1e3 * saving[1]:.3f} saving_ms={1e3 * (saving[0] - saving[1]):.3f} "
+        f"last_w={last.dp} saving_last_ms={1e3 * (saving_last[0] - saving_last[1]):.3f}"
+    )
+    return [text, line]
+
+
+def print_assumptions():
+    print("=== assumptions (named constants in benchmarks/scaling_model.py) ===")
+    names = [k for k, v in globals().items() if k.isupper() and isinstance(v, (int, float, bool)) and k != "ROOT"]
+    print(", ".join(f"{k}={globals()[k]:g}" for k in names))
+
+
+STYLES = {"ours": "o-", "hybrid": "x--", "exact": "d:", "before": "+-.", "recon": "s-"}
+
+
+def plot(path: str, rows_by_model: dict) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(1, 3, figsize=(18, 5.2))
+    for a, model in zip(ax, MODELS):
+        rows = rows_by_model[model.key]
+        g = list(rows)
+        for name in SYSTEMS:
+            a.plot(g, [rows[x][name].iteration for x in g], STYLES[name], label=LABELS[name])
+        over = [(x, n) for x in g for n in ("ours", "hybrid") if rows[x][n].mem_bytes > A100_MEMORY_BYTES]
+        a.plot(
+            [x for x, _ in over],
+            [rows[x][n].iteration for x, n in over],
+            "o",
+            mfc="none",
+            mec="red",
+            ms=11,
+            label="persistent state > 80 GB per GPU",
+        )
+        a.set(xscale="log", yscale="log", xlabel="GPUs", ylabel="iteration (fwd + bwd + step), s", title=model.label)
+        a.set_xticks(g, [str(x) for x in g])
+    for model, mark in zip(MODELS, "os"):
+        rows = rows_by_model[model.key]
+        g = list(rows)
+        ratio = [rows[x]["recon"].iteration / rows[x]["ours"].iteration for x in g]
+        ax[2].plot(g, ratio, mark + "-", label=f"{model.key}: recon / ours (model)")
+        for x, y in zip(g, ratio):
+            ax[2].annotate(f"{y:.2f}", (x, y), textcoords="offset points", xytext=(0, 6), fontsize=7, ha="center")
+    pw = sorted(PAPER)
+    ax[2].plot(pw, [PAPER[w][3] for w in pw], "k*--", ms=11, label="paper end-to-end speedup (GPT)")
+    ax[2].axhline(1.0, color="gray", ls=":")
+    ax[2].set(xscale="log", xlabel="GPUs", ylabel="iteration recon / ours", title="speedup")
+    ax[2].set_xticks(GPU_COUNTS, [str(x) for x in GPU_COUNTS])
+    for a in ax:
+        a.legend(fontsize=7)
+        a.grid(True, which="both", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="short calibration, no validation run, fewer points (CI)")
+    p.add_argument("--quick", action="store_true", help="short calibration, no validation run (CI)")
     p.add_argument("--no-validate", dest="validate", action="store_false", help="skip bench_optimizer_step.py --quick")
     p.add_argument("--plot", default=os.path.join(ROOT, "runs", "scaling_model.png"), help="PNG output path")
+    p.add_argument("--table", default=None, help="also write the tables and findings as markdown to this path")
     args = p.parse_args(argv)
     print_assumptions()
     cal = calibrate(reps=3 if args.quick else 30)
@@ -700,32 +1041,29 @@ def main(argv=None):
     if args.validate and not args.quick:
         print_validation(validate(cal, len(os.sched_getaffinity(0))))
 
-    paper_rows = series(A100, paper_gpt, [8, 16, 32, 64] if args.quick else [8, 16, 32, 64, 128, 256])
-    print_paper(paper_rows)
-    llama_gpus = [64, 256, 1024] if args.quick else [8, 16, 32, 64, 128, 256, 512, 1024]
-    llama_rows = series(A100_TP8, lambda g: LLAMA70B_TP8, llama_gpus, tp=8)
-    rep = lambda g: max(1, (g // 8) // 16)  # noqa: E731  shard groups of 16 DP ranks
-    hybrid_rows = [
-        series(A100_TP8, lambda g: LLAMA70B_TP8, [g], tp=8, replicate=rep(g))[0] for g in llama_gpus if rep(g) > 1
-    ]
-    print_llama(llama_rows, hybrid_rows, rep)
-
-    worlds = [8, 16, 32, 64, 128] if args.quick else [8, 16, 32, 48, 64, 96, 128, 192, 256, 512, 1024]
-    gpt25 = paper_gpt(64)
-    fan_rows = fanout(A100, gpt25, worlds)
-    print_fanout(fan_rows, "the 25.8B GPT (8 ranks per node)")
-    w_bw, w_c = first_w(fan_rows, 2), first_w(fan_rows, 3)
-    print(f"FANOUT model=gpt25.8B latency_exceeds_bandwidth_W={w_bw} latency_exceeds_compute_W={w_c}")
-    llama_fan = fanout(A100_TP8, LLAMA70B_TP8, [w for w in worlds if w <= 128])
-    print_fanout(llama_fan, "Llama-70B TP8 (DP ranks on different nodes)")
-    print(
-        f"FANOUT model=llama70b_tp8 latency_exceeds_bandwidth_W={first_w(llama_fan, 2)} "
-        f"latency_exceeds_compute_W={first_w(llama_fan, 3)}"
-    )
-    w_at = w_bw or worlds[-1]
-    hybrid_at(gpt25, w_at, max(1, w_at // GPUS_PER_NODE))
+    rows = {m.key: {g: evaluate(m, g) for g in GPU_COUNTS} for m in MODELS}
+    md = [f"## Scaling model on {A100.name}", ""]
+    for m in MODELS:
+        md += summary_table(m, rows[m.key]) + [""] + phase_table(m, rows[m.key]) + [""]
+    md += [paper_note(), ""]
+    sweeps = {"gpt": GPU_COUNTS, "llama": tuple(8 * w for w in LLAMA_DP_SWEEP)}
+    findings = [line for m in MODELS for line in latency_study(m, sweeps[m.key])]
+    md += ["### Where the per-part ring latency shows"]
+    md += [x for f in findings if not f.startswith("LATENCY") for x in ("", f)]
+    criterion = done_criterion(rows)
+    md += ["", "### Done criterion", ""] + [f"`{c}`" for c in criterion]
+    print("\n" + "\n".join(md))
+    for m in MODELS:
+        print("\n".join(result_lines(m, rows[m.key])))
+    print("\n".join(f for f in findings if f.startswith("LATENCY")))
+    print("\n".join(criterion))
+    if args.table:
+        os.makedirs(os.path.dirname(os.path.abspath(args.table)), exist_ok=True)
+        with open(args.table, "w") as f:
+            f.write("\n".join(md) + "\n")
+        print(f"table: {args.table}")
     os.makedirs(os.path.dirname(os.path.abspath(args.plot)), exist_ok=True)
-    plot(args.plot, paper_rows, llama_rows, hybrid_rows, fan_rows, w_bw)
+    plot(args.plot, rows)
     print(f"plot: {args.plot}")
 
 

@@ -19,6 +19,7 @@ from .placement.blocks import MODES as QKV_OWNER_MODES
 from .placement.planner import POLICIES
 from .placement.rules import LAYOUTS
 from .precision.fp8 import Fp8Config
+from .runtime.comm import REDUCE_ORDERS
 
 
 def _check_choice(value, choices, flag: str, what: str) -> None:
@@ -73,9 +74,12 @@ class MatrixFSDPConfig:
     max_reduces_in_flight: int = 2
     """With overlap_grad_reduce: reductions started but not yet waited for, at most."""
 
-    coalesce: bool = True
-    """One collective per unit for the gather and one for the reduction (False: one broadcast per owner
-    part and one all-to-all per region, the older path, kept for comparison)."""
+    reduce_order: str = field(default="auto", metadata={"choices": REDUCE_ORDERS})
+    """How each owner's gradient is summed over the DP shard group. 'rank': a chain in rank order,
+    bitwise the single-process reference (fp32 partial sums; an owner in the middle of the chain also
+    receives its parts' sums); 'ring': NCCL's reduce per owner part and reduce-scatter of the tail,
+    summed in ring order in the wire dtype; 'auto': ring on NCCL, rank elsewhere (gloo). Each moves
+    about one unit per rank and reduction, however the owners split it."""
 
     verify_collectives: bool = True
     """Before every owner collective, all-gather a 3-integer signature and raise on a mismatch
@@ -100,6 +104,7 @@ class MatrixFSDPConfig:
         if self.max_reduces_in_flight < 1:
             raise ValueError(f"max_reduces_in_flight must be at least 1, got {self.max_reduces_in_flight}")
         _check_choice(self.layout, LAYOUTS, "--mfsdp-layout", "layout")
+        _check_choice(self.reduce_order, REDUCE_ORDERS, "--mfsdp-reduce-order", "reduce order")
         _check_choice(self.split_qkv_owners, QKV_OWNER_MODES, "--mfsdp-split-qkv-owners", "Q/K/V owner mode")
         if self.split_qkv_owners != "whole":
             flag = f"--mfsdp-split-qkv-owners {self.split_qkv_owners}"

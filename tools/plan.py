@@ -13,10 +13,14 @@ command line can be pasted as it is) plus --data-parallel-size, e.g. Llama-3-70B
 
 It prints the plan table training prints at start-up (owned bytes and Newton-Schulz flops per
 DP rank, the max/mean line) and the lower bounds on max/mean that no owner assignment can
-beat. Owners are planned over DP / --mfsdp-replicate-size ranks, as at start-up. Parameter
-shapes are megatron-core's TP-local ones (local layer spec, one pipeline stage), computed from
-the flags rather than built, so any TP size plans in one process;
-tests/unit/test_planner_search.py checks them against GPTModels built on the meta device.
+beat. With --traffic it also drives units of the plan through every DP rank's own
+SegmentComm in this one process (torch's fake process-group backend, shapes only:
+megatron_mfsdp/testing/at_scale.py) and prints per unit the calls of a gather and a
+reduction, the busiest rank's bytes against ZeRO-3's bytes per rank, and the largest buffer.
+Owners are planned over DP / --mfsdp-replicate-size ranks, as at start-up. Parameter shapes are
+megatron-core's TP-local ones (local layer spec, one pipeline stage), computed from the flags
+rather than built, so any TP size plans in one process; tests/unit/test_planner_search.py checks
+them against GPTModels built on the meta device.
 """
 
 from __future__ import annotations
@@ -94,6 +98,19 @@ def get_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("tools/plan.py")
     g.add_argument(
         "--data-parallel-size", type=positive_int, required=True, help="DP ranks (world / (TP x PP)) to plan over"
+    )
+    g.add_argument(
+        "--traffic",
+        action="store_true",
+        help="drive units of the plan through every DP rank's SegmentComm (fake process groups, shapes only) and "
+        "print calls, the busiest rank's bytes against ZeRO-3's and the largest buffer per unit",
+    )
+    g.add_argument(
+        "--traffic-units",
+        type=int,
+        default=6,
+        metavar="N",
+        help="with --traffic: the first N - 1 units of the plan (embedding units, then layers) and the last; 0: all",
     )
     return p
 
@@ -203,10 +220,57 @@ def report(args, specs, plan) -> str:
     )
 
 
+def traffic(args, plan) -> tuple[str, list]:
+    """The --traffic table: units of the plan through every DP rank's SegmentComm on the fake backend,
+    in the reduce order a GPU cluster runs (--mfsdp-reduce-order, auto: ring on NCCL)."""
+    import torch
+
+    from megatron_mfsdp.runtime.comm import resolve_reduce_order
+    from megatron_mfsdp.testing.at_scale import simulate
+
+    n, count = args.traffic_units, len(plan.units)
+    units = list(range(count)) if n <= 0 or n >= count else list(range(n - 1)) + [count - 1]
+    order = resolve_reduce_order(args.mfsdp_reduce_order, "nccl")
+    param = {2: torch.bfloat16, 4: torch.float32}[plan.element_size]
+    grad = param if (args.bf16 or args.fp16) and args.grad_reduce_in_bf16 else torch.float32
+    rows = simulate(plan, units, param, grad, order)
+    return traffic_table(rows, plan.world_size, order, (param, grad), count), rows
+
+
+def traffic_table(rows, w: int, order: str, dtypes, count: int) -> str:
+    param, grad = dtypes
+    lines = [
+        f"traffic at DP {w} (every rank's SegmentComm on fake process groups; reduce order {order}; gather in "
+        f"{str(param)[6:]}, reduction in {str(grad)[6:]}), {len(rows)} of {count} units; busiest = the largest of any "
+        f"rank's bytes in or out; ZeRO-3's per rank is (W - 1) / W of a unit, so one unit is {w / (w - 1):.3f}x; "
+        f"buffer = the largest buffer any rank allocated, over the unit's gradient bytes",
+        f"{'unit':>16} {'elements':>13} {'owners':>6} {'calls g/r':>9} {'gather/ZeRO-3':>13} {'reduce/ZeRO-3':>13} "
+        f"{'buffer/unit':>14}",
+    ]
+    for r in rows:
+        lines.append(
+            f"{r.name:>16} {r.numel:>13,} {r.parts:>6} {f'{r.gather_calls}/{r.reduce_calls}':>9} "
+            f"{r.gather_busiest / r.zero3_gather:>13.3f} {r.reduce_busiest / r.zero3_reduce:>13.3f} "
+            f"{r.transient / (r.numel * grad.itemsize):>14.3f}"
+        )
+    gather = max(r.gather_busiest / r.zero3_gather for r in rows)
+    reduce = max(r.reduce_busiest / r.zero3_reduce for r in rows)
+    calls = max(max(r.gather_calls, r.reduce_calls) for r in rows)
+    transient = max(r.transient / (r.numel * grad.itemsize) for r in rows)
+    lines.append(
+        f"RESULT traffic dp={w} order={order} units={len(rows)} max_gather_over_zero3={gather:.3f} "
+        f"max_reduce_over_zero3={reduce:.3f} max_calls_per_op={calls} max_transient_over_unit={transient:.4f} "
+        f"as_predicted={all(r.as_predicted for r in rows)}"
+    )
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     specs, plan = plan_from_args(args)
     print(report(args, specs, plan))
+    if args.traffic:
+        print(traffic(args, plan)[0])
     return 0
 
 

@@ -12,7 +12,7 @@ import torch
 CHECKPOINT_VERSION = 3.0  # Megatron-LM's torch_dist checkpoints (megatron/training/checkpointing.py)
 _PLAIN = (bool, int, float, str, type(None))
 _PER_RANK = ("rank", "local_rank", "notices")  # the common state is the same on every rank; notices
-# are start-up messages, and the NS dtype probe's carries this rank's timings
+# are start-up messages, and the values they explain are saved themselves (muon_ns_dtype resolved)
 
 
 def _plain(value):

@@ -92,13 +92,16 @@ def cuda_on_cpu() -> Iterator[None]:
             setattr(obj, name, original)
 
 
-PROBE_MARGIN = 0.8
-"""bf16 is chosen by the probe only when its product takes under this share of fp32's."""
+BF16_UNITS = ("amx_bf16", "avx512_bf16")
+"""/proc/cpuinfo flags of a bf16 matrix unit, strongest first. AMX-BF16: a bf16 product several
+times faster than fp32 (0.84 vs 7.05 ms for 512x512 @ 512x2048 on one core); AVX512-BF16 alone:
+the standard bf16 Newton-Schulz about 2x faster than fp32. Without either, bf16 is emulated
+(about 50x slower than fp32 on one such CPU)."""
 
 
 def cpu_flags() -> frozenset[str] | None:
     """The ``flags`` line of /proc/cpuinfo (x86 Linux); None where there is none (other
-    systems, ARM's ``Features``), so that the capability is measured instead."""
+    systems, ARM's ``Features``)."""
     try:
         with open("/proc/cpuinfo") as f:
             line = next((line for line in f if line.startswith("flags")), None)
@@ -107,41 +110,20 @@ def cpu_flags() -> frozenset[str] | None:
     return None if line is None else frozenset(line.partition(":")[2].split())
 
 
-def bf16_matmul_probe(size: int = 256, repeats: int = 3) -> tuple[float, float]:
-    """(bf16 ms, fp32 ms): the best of ``repeats`` timings of a (size x size) @ (size x 2 size)
-    product in each dtype, after one warm-up each."""
-    import time
-
-    times = []
-    for dtype in (torch.bfloat16, torch.float32):
-        a, b = torch.ones(size, size, dtype=dtype), torch.ones(size, 2 * size, dtype=dtype)
-        a @ b
-        best = float("inf")
-        for _ in range(repeats):
-            start = time.perf_counter()
-            a @ b
-            best = min(best, time.perf_counter() - start)
-        times.append(best * 1e3)
-    return times[0], times[1]
-
-
 def bf16_matmul_choice() -> tuple[bool, str]:
-    """(whether bf16 matrix products are fast here, why). AMX-BF16 (``amx_bf16``) decides at
-    once: a bf16 product is several times faster than fp32 there (0.84 vs 7.05 ms for
-    512x512 @ 512x2048 on one core). Flags without any bf16 unit mean an emulation (about 50x
-    slower than fp32 on one such CPU). Between the two (``avx512_bf16`` alone) or without
-    flags, a timed probe decides. Flags first: every rank of a machine type reads the same
-    ones, where timings can differ (start-up compares --muon-ns-dtype across ranks)."""
+    """(whether this CPU has a bf16 matrix unit, why), from the flags alone (:data:`BF16_UNITS`).
+    No timing: two launches, and every rank of a machine type, decide alike, so the numerics of a
+    run do not depend on how loaded the machine was at start-up. No flags: fp32, which any CPU
+    runs."""
     flags = cpu_flags()
-    if flags is not None and "amx_bf16" in flags:
-        return True, "AMX-BF16 (amx_bf16 in /proc/cpuinfo flags)"
-    if flags is not None and "avx512_bf16" not in flags:
+    if flags is None:
+        return False, "no /proc/cpuinfo flags to show a bf16 matrix unit"
+    unit = next((unit for unit in BF16_UNITS if unit in flags), None)
+    if unit is None:
         return False, "no bf16 matrix unit (neither amx_bf16 nor avx512_bf16 in /proc/cpuinfo flags)"
-    bf16, fp32 = bf16_matmul_probe()
-    where = "avx512_bf16 without amx_bf16 in /proc/cpuinfo flags" if flags is not None else "no /proc/cpuinfo flags"
-    return bf16 < PROBE_MARGIN * fp32, f"{where}; timed probe: bf16 {bf16:.2f} ms, fp32 {fp32:.2f} ms"
+    return True, f"{unit} in /proc/cpuinfo flags"
 
 
 def fast_bf16_matmul() -> bool:
-    """Whether this CPU multiplies bf16 matrices fast (:func:`bf16_matmul_choice`)."""
+    """Whether this CPU has a bf16 matrix unit (:func:`bf16_matmul_choice`)."""
     return bf16_matmul_choice()[0]

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ..compat.collectives import all_gather_single
 from ..placement.rules import WHOLE
 from .muon import (
     apply_update_,
@@ -52,7 +53,7 @@ def _full_shape(local: Sequence[int], dim: int, tp_size: int):
 def _all_gather_along(x: Tensor, dim: int, group) -> Tensor:
     world = dist.get_world_size(group)
     out = torch.empty(world * x.numel(), dtype=x.dtype, device=x.device)
-    dist.all_gather_into_tensor(out, x.contiguous().view(-1), group=group)
+    all_gather_single(out, x.contiguous().view(-1), group=group)
     return torch.cat(list(out.view((world,) + tuple(x.shape)).unbind(0)), dim=dim)
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ..compat.collectives import all_gather_single
 from .layout import Plan
 
 GATHER, REDUCE = 1, 2
@@ -58,7 +59,7 @@ def start_signature(group, unit_index: int, op: int, numel: int, device=None) ->
     world = dist.get_world_size(group)
     mine = torch.tensor([unit_index, op, numel], dtype=torch.int64, device=device)
     everyone = torch.empty(world * 3, dtype=torch.int64, device=device)
-    return SignatureCheck(everyone, dist.all_gather_into_tensor(everyone, mine, group=group, async_op=True), world)
+    return SignatureCheck(everyone, all_gather_single(everyone, mine, group=group, async_op=True), world)
 
 
 def check_signature(group, unit_index: int, op: int, numel: int, device=None) -> None:

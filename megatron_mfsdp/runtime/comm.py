@@ -1,28 +1,26 @@
 """Owner-segment communication behind one small interface: ``start_gather`` and
 ``start_reduce`` return a pending operation whose ``wait()`` gives the result. This is
-the one place where the wire format, coalescing and overlap are decided.
+the one place where the wire format, grouping and overlap are decided.
 
-Segments are uneven and may be empty, so nothing here pads a rank up to the largest
-segment: every collective carries exactly the unit's bytes. Coalesced (the default), a
-unit costs one collective to gather and one to reduce:
+A unit's matrices live on a few owners, so anything where an owner talks to each peer in turn
+(its matrix sent W - 1 times, or W - 1 copies of its gradient received) puts W x its segment on
+one link. Every collective here is a ring that moves about one unit per rank instead, however
+the owners split the unit (runtime/traffic.py has the per-rank bytes):
 
-- gather: every rank's segment goes to every other rank as raw bytes (so any payload
-  dtype travels, FP8 bytes and their fp32 scales included): on NCCL one batch of
-  point-to-point ops received straight into the full buffer, on gloo one
-  ``all_to_all_single`` with uneven splits (gloo has no coalescing of p2p ops);
-- reduce: one ``all_to_all_single`` of the gradient packed in segment order (rank 0's
-  segment, rank 1's, ...), so each owner receives W rows of exactly its own segment.
+- gather: one pipelined ``broadcast`` per non-empty owner part (an owner's matrices lie together)
+  plus one all-gather of the evenly split tail (each slice padded by at most one element), all as
+  raw bytes, so any payload dtype travels (FP8 bytes and their fp32 scales included);
+- reduce, ``ring`` order (the default on NCCL): one ``reduce`` per owner part into its owner plus
+  one reduce-scatter of the padded tail, in the wire dtype, summed in NCCL's ring order;
+- reduce, ``rank`` order (the default elsewhere, gloo included): a chain in rank order
+  (runtime/chain.py), bitwise the single-process reference's sum, fp32 partial sums.
 
-``coalesce=False`` keeps the per-owner path (one broadcast per non-empty owner part, one
-all-to-all per region) for comparison (benchmarks/bench_comm.py).
-
+On NCCL a unit's broadcasts (or reduces) go out as one group with one work handle, the tail's call
+right after it on the same stream. The gradient is packed in layout order, so each owner part is
+contiguous and the padded tail follows; no buffer is larger than a unit (plus the tail's padding).
 With checks on, each collective goes with a small signature all-gather (placement/verify.py),
-verified in ``wait()`` before the data is read.
-
-The owner sums the W contributions itself, in rank order and in fp32, so the result does
-not depend on the backend's reduction tree or the wire dtype: the same sum a single
-process computes. With hybrid sharding the reduced segment is then all-reduced over the
-replica group.
+verified in ``wait()`` before the data is read. With hybrid sharding the reduced segment is then
+all-reduced over the replica group.
 """
 
 from __future__ import annotations
@@ -31,13 +29,40 @@ from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
-from torch.distributed import distributed_c10d as c10d
 
+from ..compat.collectives import all_gather_single, reduce_scatter_single
 from ..groups import ProcessGroups
 from ..placement.layout import UnitLayout
 from ..placement.verify import GATHER, REDUCE, start_signature
+from .chain import CHUNK_BYTES, Chain
+from .traffic import (
+    GATHER_OP,
+    REDUCE_OP,
+    REPLICA_OP,
+    LinkCall,
+    add,
+    all_reduce_link,
+    broadcast_link,
+    owner_parts,
+    reduce_link,
+    slices_link,
+    tail_geometry,
+    tail_slice,
+)
 
 PHASES = ("forward", "backward", "reduce", "other")
+REDUCE_ORDERS = ("auto", "rank", "ring")
+
+
+def resolve_reduce_order(order: str, backend: str) -> str:
+    """``auto``: ``ring`` on NCCL (its reduces run pipelined in one group, overlapping backward; the
+    chain would add between serial hops), ``rank`` elsewhere (gloo on CPU is where exactness is
+    checked, and there the chain costs the same bytes)."""
+    if order not in REDUCE_ORDERS:
+        raise ValueError(f"unknown reduce order {order!r} (--mfsdp-reduce-order); choose one of {REDUCE_ORDERS}")
+    if order != "auto":
+        return order
+    return "ring" if backend == "nccl" else "rank"
 
 
 def param_runs_view(flat: torch.Tensor, runs: tuple[int, int, int, int]) -> torch.Tensor:
@@ -71,165 +96,173 @@ class PendingGather:
 
 
 class PendingReduce:
-    """The contributions of every rank to this rank's segment, summed on ``wait()``."""
+    """This rank's segment of a unit's gradient summed over the group, ready on ``wait()``."""
 
-    def __init__(self, contributions: list[torch.Tensor], replica_group, works=(), keep=None, check=None):
-        self._contributions, self._replica = contributions, replica_group
-        self._works, self._keep = list(works), keep  # keep: the send buffer, alive until the wire is done
-        self._check = check
+    def __init__(self, finish, works=(), check=None, replica=None):
+        self._finish, self._works, self._check, self._replica = finish, list(works), check, replica
+        self._segment = None
 
     def wait(self) -> torch.Tensor:
+        if self._segment is not None:
+            return self._segment
         if self._check is not None:
             self._check.verify()
         for work in self._works:
             work.wait()
-        self._works, self._keep = [], None
-        summed = []
-        for region in self._contributions:  # [world, numel]: rank r's contribution in row r
-            total = region[0].float()  # the owner sums in fp32 even when the wire carries bf16
-            total = total.clone() if total.data_ptr() == region[0].data_ptr() else total
-            for r in range(1, region.shape[0]):
-                total.add_(region[r])
-            summed.append(total)
-        segment = summed[0] if len(summed) == 1 else torch.cat(summed)
+        segment = self._finish()
         if self._replica is not None and segment.numel():
-            dist.all_reduce(segment, group=self._replica)
+            self._replica(segment)
+        self._segment, self._works, self._finish = segment, [], None
         return segment
 
 
 class _Route:
-    """Where each piece of a unit sits: in the full buffer (layout order) and in the
-    segment-ordered send buffer of the reduction (rank 0's segment, rank 1's, ...)."""
+    """Where each piece of a unit lies in the packed gradient: the matrix region in layout order
+    (each owner part contiguous), then the tail with rank r's slice at ``r * slice`` (padded)."""
 
     def __init__(self, layout: UnitLayout, world: int):
-        self.sizes = [layout.segment_numel(r) for r in range(world)]
-        starts = [sum(self.sizes[:r]) for r in range(world)]
-        # (parameter name, its elements (LocalPiece.runs), numel, full-buffer offset, send-buffer offset)
-        self.copies = [
-            (
-                p.slot.param_name,
-                p.runs(),
-                p.numel,
-                p.slot.offset + p.param_offset - p.slot.param_start,
-                starts[r] + p.segment_offset,
-            )
-            for r in range(world)
-            for p in layout.local_pieces(r)
+        m, self.slice = layout.matrix_numel, tail_slice(layout)
+        self.numel = m + world * self.slice if layout.tail_numel else m
+        # (parameter name, its elements (LocalPiece.runs), numel, offset in the packed gradient)
+        self.copies = []
+        for r in range(world):
+            mine = layout.matrix_range(r)[1] - layout.matrix_range(r)[0]
+            for p in layout.local_pieces(r):
+                if p.segment_offset < mine:  # a matrix piece: where it lies in the full buffer
+                    at = p.slot.offset + p.param_offset - p.slot.param_start
+                else:
+                    at = m + r * self.slice + p.segment_offset - mine
+                self.copies.append((p.slot.param_name, p.runs(), p.numel, at))
+        self.covers_all = sum(c[2] for c in self.copies) == layout.numel  # every element has a piece
+        self.padding = [  # the tail slices' padding elements, zero on the wire
+            (m + r * self.slice + b - a, m + (r + 1) * self.slice)
+            for r, (a, b) in enumerate(map(layout.tail_range, range(world)))
+            if layout.tail_numel and b - a < self.slice
         ]
-        self.covers_all = sum(c[2] for c in self.copies) == layout.numel  # no element left to zero
 
 
 class SegmentComm:
     """Owner-segment collectives of one shard group (and its replica group).
 
-    ``traffic`` counts, per phase, the bytes this rank received from other ranks
-    (gathers) or sent to them (reductions), the numbers compared with ZeRO-3's."""
+    ``traffic[phase]`` holds [bytes in, bytes out] of this rank, each call charged as NCCL's ring
+    algorithms move it (runtime/traffic.py); ``log``, when a list, gets a :class:`LinkCall` per
+    unit operation (tests and benchmarks set it). ``transient`` is the largest buffer (bytes) a
+    gather or reduction has allocated."""
 
-    def __init__(self, groups: ProcessGroups, verify: bool = True, device=None, coalesce: bool = True):
+    def __init__(self, groups: ProcessGroups, verify: bool = True, device=None, reduce_order: str = "auto"):
         self.group, self.replica = groups.dp_shard, groups.replica
         self.rank, self.world = groups.dp_shard_rank, groups.dp_shard_size
         self.verify = verify and self.world > 1
         self.device = device
-        self.coalesce = coalesce
-        self.p2p = self.world > 1 and dist.get_backend(self.group) == "nccl"
-        self.traffic = dict.fromkeys(PHASES, 0)
-        self._routes: dict[int, _Route] = {}
+        backend = dist.get_backend(self.group) if self.world > 1 else "none"
+        self.reduce_order = resolve_reduce_order(reduce_order, backend)
+        # One NCCL group per unit operation; the fake backend (large-W tests) takes the same path.
+        self.grouped = backend in ("nccl", "fake")
+        self.traffic = {phase: [0, 0] for phase in PHASES}
+        self.log: list[LinkCall] | None = None
+        self.transient = 0
+        self.chunk_bytes = CHUNK_BYTES  # of the rank-ordered chain's messages
+        self.routes: dict[int, _Route] = {}  # per unit index; they depend on the layout alone, not the rank
 
     def route(self, layout: UnitLayout) -> _Route:
-        if layout.index not in self._routes:
-            self._routes[layout.index] = _Route(layout, self.world)
-        return self._routes[layout.index]
+        if layout.index not in self.routes:
+            self.routes[layout.index] = _Route(layout, self.world)
+        return self.routes[layout.index]
+
+    def _charge(self, phase: str, unit: int, op: str, link: tuple[int, int]) -> None:
+        self.traffic[phase][0] += link[0]
+        self.traffic[phase][1] += link[1]
+        if self.log is not None:
+            self.log.append(LinkCall(phase, unit, op, *link))
+
+    def _buffer(self, numel: int, dtype, device) -> torch.Tensor:
+        t = torch.empty(numel, dtype=dtype, device=device)
+        self.transient = max(self.transient, t.numel() * t.element_size())
+        return t
+
+    def _owner_calls(self, call, parts, device) -> list:
+        """One call per owner part (a broadcast or a reduce: ``call(first, end, owner)``), as one NCCL
+        group with one work handle where the backend groups (torch's ``_coalescing_manager`` with a
+        device: each call goes to the backend inside one ncclGroupStart/End), one work each elsewhere.
+        The tail's all-gather or reduce-scatter follows outside the group: inside it, torch records
+        that call on its separate "fast path" and issues it as a coalesced call of its own at exit."""
+        if not self.grouped:
+            return [call(lo, hi, owner) for owner, lo, hi in parts]
+        if not parts:
+            return []
+        device = torch.device("cpu") if device.type == "meta" else device  # shapes only: the fake backend's at scale
+        with dist._coalescing_manager(self.group, device, async_ops=True) as cm:
+            for owner, lo, hi in parts:
+                call(lo, hi, owner)
+        return [w for w in cm.works if w is not None]
 
     # ----------------------------------------------------------------- gather
     def start_gather(self, layout: UnitLayout, segment: torch.Tensor, phase: str = "other") -> PendingGather:
-        """Start filling the unit's whole flat buffer from every owner's segment."""
+        """Start filling the unit's whole flat buffer from every owner's segment (``layout`` in the
+        segment's elements: a byte layout for FP8 units)."""
         check = self._signature(layout, GATHER)
-        full = torch.empty(layout.numel, dtype=segment.dtype, device=segment.device)
-        parts = [
-            [full[a:b] for a, b in (layout.matrix_range(r), layout.tail_range(r))] for r in range(self.world)
-        ]  # each owner's segment lands in two places: its matrix part and its tail slice
-        m = parts[self.rank][0].numel()
-        mine = [segment[:m], segment[m:]]
-        sent = as_bytes(segment) if segment.is_contiguous() else None
-        self.traffic[phase] += (layout.numel - segment.numel()) * segment.element_size()
+        full = self._buffer(layout.numel, segment.dtype, segment.device)
+        (m0, m1), (t0, t1) = layout.matrix_range(self.rank), layout.tail_range(self.rank)
+        full[m0:m1].copy_(segment[: m1 - m0])
         if self.world == 1:
-            return PendingGather(full, [], lambda: _copy_views(parts[0], mine))
-        if not self.coalesce:
-            return PendingGather(full, self._broadcasts(parts, mine), check=check)
-        return self.start_gather_views(mine, parts, full, check, sent)
+            full[t0:t1].copy_(segment[m1 - m0 :])
+            return PendingGather(full, [])
+        link, elsize, parts = (0, 0), segment.element_size(), owner_parts(layout)
+        tail = self._tail_buffers(layout, full, segment[m1 - m0 :]) if layout.tail_numel else None
+
+        def broadcast(lo, hi, owner):
+            return dist.broadcast(as_bytes(full[lo:hi]), group=self.group, group_src=owner, async_op=True)
+
+        works = self._owner_calls(broadcast, parts, segment.device)
+        for owner, lo, hi in parts:
+            link = add(link, broadcast_link((hi - lo) * elsize, self.rank, owner, self.world))
+        if tail is not None:
+            out, mine, _ = tail
+            works.append(all_gather_single(as_bytes(out), as_bytes(mine), group=self.group, async_op=True))
+            link = add(link, slices_link(mine.numel() * elsize, self.world))
+        self._charge(phase, layout.index, GATHER_OP, link)
+        return PendingGather(full, works, tail[2] if tail else None, check)
+
+    def _tail_buffers(self, layout: UnitLayout, full: torch.Tensor, own: torch.Tensor):
+        """(output, this rank's input, finish) of the tail's all-gather: straight into the full buffer
+        when the slices are even, else into a staging buffer of padded slices copied into place by
+        ``finish`` after the wait. The input is never a view of the output (in-place gathers differ
+        between backends)."""
+        s, m = tail_slice(layout), layout.matrix_numel
+        if layout.tail_numel == s * self.world:
+            return full[m:], own, None
+        staging = self._buffer(s * self.world, full.dtype, full.device)
+        mine = torch.zeros(s, dtype=full.dtype, device=full.device)  # the padding element is zero
+        mine[: own.numel()].copy_(own)
+
+        def finish():
+            for r in range(self.world):
+                t0, t1 = layout.tail_range(r)
+                full[t0:t1].copy_(staging[r * s : r * s + t1 - t0])
+
+        return staging, mine, finish
 
     def _signature(self, layout: UnitLayout, op: int):
         """The unit's signature all-gather, started before its collective (None without checks)."""
         return start_signature(self.group, layout.index, op, layout.numel, self.device) if self.verify else None
 
-    def start_gather_views(
-        self, mine: list[torch.Tensor], parts: list[list[torch.Tensor]], result=None, check=None, sent=None
-    ):
-        """Every rank's ``mine`` (flat tensors of any dtype) lands in ``parts[rank]`` on every rank, as
-        bytes, in one collective (one NCCL group): the dtype-agnostic core of the gather. ``parts[r]``
-        are this rank's destination views for rank r's pieces (``parts[self.rank]`` matches ``mine``);
-        ``sent``, if given, is ``mine``'s bytes already in one tensor (the segment: no copy to make)."""
-        _copy_views(parts[self.rank], mine)
-        if self.p2p:
-            return PendingGather(result, self._p2p_gather(mine, parts), check=check)
-        if sent is None:
-            sent = torch.cat([as_bytes(t) for t in mine]) if mine else torch.empty(0, dtype=torch.uint8)
-        recv_sizes = [0 if r == self.rank else sum(as_bytes(v).numel() for v in parts[r]) for r in range(self.world)]
-        send_sizes = [0 if r == self.rank else sent.numel() for r in range(self.world)]
-        staging = torch.empty(sum(recv_sizes), dtype=torch.uint8, device=sent.device)
-        work = dist.all_to_all_single(
-            staging,
-            sent if self.world == 2 else sent.repeat(self.world - 1),  # one copy per receiver
-            output_split_sizes=recv_sizes,
-            input_split_sizes=send_sizes,
-            group=self.group,
-            async_op=True,
-        )
-
-        def unpack():
-            offset = 0
-            for r in range(self.world):
-                for view in parts[r] if r != self.rank else ():
-                    n = as_bytes(view).numel()
-                    as_bytes(view).copy_(staging[offset : offset + n])
-                    offset += n
-
-        return PendingGather(result, [work], unpack, check)
-
-    def _p2p_gather(self, mine, parts) -> list:
-        ops = []
-        for peer in range(self.world):
-            if peer == self.rank:
-                continue
-            ops += [dist.P2POp(c10d.isend, as_bytes(t), group=self.group, group_peer=peer) for t in mine if t.numel()]
-            ops += [
-                dist.P2POp(c10d.irecv, as_bytes(v), group=self.group, group_peer=peer) for v in parts[peer] if v.numel()
-            ]
-        return dist.batch_isend_irecv(ops) if ops else []
-
-    def _broadcasts(self, parts, mine) -> list:
-        _copy_views(parts[self.rank], mine)
-        return [
-            dist.broadcast(view, group=self.group, group_src=owner, async_op=True)
-            for owner in range(self.world)
-            for view in parts[owner]
-            if view.numel()
-        ]
-
     # ----------------------------------------------------------------- reduce
     def pack_grads(self, layout: UnitLayout, grads: dict, dtype, scale: float) -> torch.Tensor:
-        """This rank's contribution to the unit's gradient, scaled, in wire order (segment order when
-        coalesced, layout order otherwise); a parameter without a gradient contributes zeros. The
-        scale is applied as each gradient is copied when dtypes match (one pass instead of copy,
-        then scale; the same products), and only uncovered elements are zeroed."""
+        """This rank's contribution to the unit's gradient, scaled, in layout order with the tail
+        slices padded (``_Route``); a parameter without a gradient contributes zeros. The scale is
+        applied as each gradient is copied when dtypes match (one pass instead of copy, then scale;
+        the same products), and only uncovered elements are zeroed."""
         route = self.route(layout)
         complete = route.covers_all and all(grads.get(name) is not None for name, *_ in route.copies)
-        out = (torch.empty if complete else torch.zeros)(layout.numel, dtype=dtype, device=self.device)
-        for name, runs, numel, full_offset, send_offset in route.copies:
+        out = self._buffer(route.numel, dtype, self.device)
+        if not complete:
+            out.zero_()
+        for lo, hi in route.padding if complete else ():
+            out[lo:hi].zero_()
+        for name, runs, numel, at in route.copies:
             grad = grads.get(name)
             if grad is None:
                 continue
-            at = send_offset if self.coalesce else full_offset
             src, dst = param_runs_view(grad.reshape(-1), runs), out[at : at + numel].view(runs[3], runs[1])
             if scale == 1.0:
                 dst.copy_(src)
@@ -241,51 +274,71 @@ class SegmentComm:
 
     def start_reduce(self, layout: UnitLayout, packed: torch.Tensor) -> PendingReduce:
         """Start summing ``packed`` (this rank's contribution from ``pack_grads``) over the group;
-        ``wait()`` returns this rank's segment of the sum, added in rank order. Always started
-        asynchronously, so its signature check is verified in ``wait()`` without a second sync."""
+        ``wait()`` returns this rank's segment of the sum in fp32."""
         check = self._signature(layout, REDUCE)
-        mine = layout.segment_numel(self.rank)
-        self.traffic["reduce"] += (layout.numel - mine) * packed.element_size()
+        route, replica = self.route(layout), self._replica_sum(layout)
         if self.world == 1:
-            return PendingReduce([packed.view(1, mine)], self.replica)
-        if not self.coalesce:
-            return self._reduce_per_region(layout, packed, check)
-        received = torch.empty(self.world * mine, dtype=packed.dtype, device=packed.device)
-        work = dist.all_to_all_single(
-            received,
-            packed,
-            output_split_sizes=[mine] * self.world,
-            input_split_sizes=self.route(layout).sizes,
-            group=self.group,
-            async_op=True,
-        )
-        return PendingReduce([received.view(self.world, mine)], self.replica, [work], packed, check)
+            return PendingReduce(lambda: self._own_segment(layout, packed, route).float(), replica=replica)
+        if self.reduce_order == "rank":
+            return self._chain_reduce(layout, packed, check, replica)
+        link, elsize, parts = (0, 0), packed.element_size(), owner_parts(layout)
+        out_tail = self._buffer(route.slice, packed.dtype, packed.device) if layout.tail_numel else None
 
-    def _reduce_per_region(self, layout: UnitLayout, packed: torch.Tensor, check) -> PendingReduce:
-        regions, works = [], []
-        for region, bounds, (lo, hi) in (
-            (packed[: layout.matrix_numel], layout.matrix_bounds, layout.matrix_range(self.rank)),
-            (packed[layout.matrix_numel :], layout.tail_bounds, layout.tail_range(self.rank)),
-        ):
-            mine = hi - lo
-            received = torch.empty(self.world * mine, dtype=packed.dtype, device=packed.device)
-            work = dist.all_to_all_single(
-                received,
-                region,
-                output_split_sizes=[mine] * self.world,
-                input_split_sizes=[bounds[r + 1] - bounds[r] for r in range(self.world)],
-                group=self.group,
-                async_op=True,
-            )
-            works.append(work)
-            regions.append(received.view(self.world, mine))
-        return PendingReduce(regions, self.replica, works, packed, check)
+        def reduce(lo, hi, owner):
+            return dist.reduce(packed[lo:hi], group=self.group, group_dst=owner, async_op=True)
 
+        works = self._owner_calls(reduce, parts, packed.device)
+        for owner, lo, hi in parts:
+            link = add(link, reduce_link((hi - lo) * elsize, self.rank, owner, self.world))
+        if out_tail is not None:
+            m = layout.matrix_numel
+            works.append(reduce_scatter_single(out_tail, packed[m:], group=self.group, async_op=True))
+            link = add(link, slices_link(route.slice * elsize, self.world))
+        self._charge("reduce", layout.index, REDUCE_OP, link)
 
-def _copy_views(dst: Sequence[torch.Tensor], src: Sequence[torch.Tensor]) -> None:
-    for d, s in zip(dst, src):
-        if d.numel():
-            d.copy_(s)
+        def finish():
+            m0, m1 = layout.matrix_range(self.rank)
+            t = layout.tail_range(self.rank)
+            parts = [packed[m0:m1]] + ([out_tail[: t[1] - t[0]]] if out_tail is not None else [])
+            return torch.cat(parts).float()
+
+        return PendingReduce(finish, works, check, replica)
+
+    def _own_segment(self, layout: UnitLayout, packed: torch.Tensor, route: _Route) -> torch.Tensor:
+        m0, m1 = layout.matrix_range(self.rank)
+        t = layout.tail_range(self.rank)
+        lo = layout.matrix_numel + self.rank * route.slice
+        return torch.cat([packed[m0:m1], packed[lo : lo + t[1] - t[0]]])
+
+    def _chain_reduce(self, layout: UnitLayout, packed: torch.Tensor, check, replica):
+        """The rank-ordered chain (runtime/chain.py), run in ``wait()``: fp32 partial sums, this rank's
+        contribution summed into in place (a bf16 wire is widened first, as the reference sums)."""
+        tail = tail_geometry(layout)
+
+        def finish():
+            work = packed
+            if packed.dtype != torch.float32:
+                work = self._buffer(packed.numel(), torch.float32, packed.device).copy_(packed)
+            result = self._buffer(layout.segment_numel(self.rank), torch.float32, packed.device)
+            args = (owner_parts(layout), tail, self.rank, self.world, self.group, result, self.chunk_bytes)
+            chain = Chain(work, *args)
+            chain.run()
+            self._charge("reduce", layout.index, REDUCE_OP, tuple(chain.moved))
+            return result
+
+        return PendingReduce(finish, (), check, replica)
+
+    def _replica_sum(self, layout: UnitLayout):
+        """With hybrid sharding: the all-reduce of a reduced segment over the replica group."""
+        if self.replica is None:
+            return None
+        world = dist.get_world_size(self.replica)
+
+        def replica(segment: torch.Tensor) -> None:
+            dist.all_reduce(segment, group=self.replica)
+            self._charge("reduce", layout.index, REPLICA_OP, all_reduce_link(segment.numel() * 4, world))
+
+        return replica
 
 
 def all_reduce_flat(tensors: Sequence[torch.Tensor], group) -> None:

@@ -34,6 +34,7 @@ from ..placement.planner import plan_units
 from ..placement.verify import verify_plan_agreement
 from ..precision import UnitCodec, fp8_slot_names, new_fp8_state, te_available, te_float8_weight
 from .comm import SegmentComm, all_reduce_flat, param_runs_view
+from .traffic import UnitWire, iteration_links
 
 
 class _UnitState:
@@ -207,7 +208,7 @@ class MatrixFSDP(torch.nn.Module):
         self.plan.element_size = torch.empty(0, dtype=self.param_dtype).element_size()
         grad_dtype = torch.float32 if ddp_config.grad_reduce_in_fp32 else self.param_dtype
         self.grad_dtype = grad_dtype  # the wire dtype of the reduction (the owner accumulates in fp32)
-        self.comm = SegmentComm(self.groups, ddp_config.verify_collectives, self.device, ddp_config.coalesce)
+        self.comm = SegmentComm(self.groups, ddp_config.verify_collectives, self.device, ddp_config.reduce_order)
         self._in_flight: deque = deque()  # (unit state, PendingReduce) of reductions not yet waited for
         self._empty = torch.empty(0, dtype=self.param_dtype, device=self.device)
         self.units = [
@@ -474,36 +475,34 @@ class MatrixFSDP(torch.nn.Module):
         return out
 
     def traffic_per_iteration(self, num_micro: int) -> dict[str, tuple[int, int]]:
-        """Bytes per iteration over the shard group, per phase: (ours, ZeRO-3's formula). Ours: each unit
-        is gathered once in forward (a tied embedding is held to the output layer) and once in backward,
-        and reduced once, per micro-batch; every rank r receives (or sends) U - s_r of each unit's U
-        elements. ZeRO-3's: every parameter all-gathered twice and reduce-scattered once, (W-1)/W of it per
-        rank, unpadded, in the parameter dtype (FP8 units gather fewer bytes: ratio below 1).
-        ``comm.traffic`` counts what actually moved (tests compare the two)."""
-        w, b, g = self.dp_size, self.plan.element_size, self.grad_dtype.itemsize
-        units = [s for s in self.units if s.layout.numel]
-        wire = {id(s): (w - 1) * s.wire.numel * s.param_segment.element_size() for s in units}  # FP8: bytes
-        ours_unit = sum(wire[id(s)] for s in units)
-        ours_bwd = sum(wire[id(s)] for s in units if s.grad_params)
-        ours_grad = sum((w - 1) * s.layout.numel for s in units if s.grad_params)
-        params = {id(p): p for s in units for _, p in s.tensors}  # distinct tensors, as ZeRO-3 shards them
-        numel = sum(slot.numel for s in units for slot, _ in s.params)
-        trained = sum(slot.numel for s in units for slot, p in s.params if p.requires_grad)
-        assert len(params) == sum(len(s.tensors) for s in units), "a parameter in two units"
-        return {
-            "forward gather": (num_micro * ours_unit, num_micro * (w - 1) * numel * b),
-            "backward gather": (num_micro * ours_bwd, num_micro * (w - 1) * trained * b),
-            "reduction": (num_micro * ours_grad * g, num_micro * (w - 1) * trained * g),
-        }
+        """Bytes per iteration over the shard group, per phase: (the critical path: for each unit
+        operation the busiest rank's larger direction, summed; ZeRO-3's bytes per rank for the same
+        operations). Each unit is gathered once in forward (a tied embedding is held to the output
+        layer) and once in backward, and reduced once, per micro-batch (runtime/traffic.py);
+        ``comm.traffic`` and ``comm.log`` count what actually moved (the tests compare them)."""
+        param_elsize = self.plan.element_size
+        units = [
+            UnitWire(
+                s.layout,
+                s.wire,
+                s.param_segment.element_size(),
+                param_elsize,
+                sum(slot.numel for slot, p in s.params if p.requires_grad),
+            )
+            for s in self.units
+        ]
+        return iteration_links(units, num_micro, self.comm.reduce_order, self.grad_dtype.itemsize)
 
     def traffic_line(self, num_micro: int) -> str:
-        """The start-up line: bytes per iteration per phase, per rank on average, and the ratio to ZeRO-3's."""
+        """The start-up line: per phase, the busiest rank of each call summed over an iteration, and
+        its ratio to ZeRO-3's bytes per rank (W / (W - 1) when every rank moves one unit per call)."""
         parts = []
         for phase, (ours, zero3) in self.traffic_per_iteration(num_micro).items():
             ratio = ours / zero3 if zero3 else 1.0
-            parts.append(f"{phase} {ours / self.dp_size / 2**20:.2f} MiB (ZeRO-3 x{ratio:.2f})")
-        return f"traffic per iteration per rank ({num_micro} micro-batches, DP shard {self.dp_size}): " + ", ".join(
-            parts
+            parts.append(f"{phase} {ours / 2**20:.2f} MiB (ZeRO-3 x{ratio:.2f})")
+        return (
+            f"traffic per iteration, busiest rank of each call ({num_micro} micro-batches, DP shard "
+            f"{self.dp_size}, reduce order {self.comm.reduce_order}): " + ", ".join(parts)
         )
 
     def local_bytes(self) -> dict[str, int]:

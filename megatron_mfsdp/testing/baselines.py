@@ -19,6 +19,7 @@ import math
 import torch
 import torch.distributed as dist
 
+from ..compat.collectives import all_gather_single
 from ..optim.adamw import adamw_step_
 from ..optim.muon import apply_update_, momentum_direction_, muon_kwargs, muon_step_, scaled_update
 
@@ -165,7 +166,7 @@ class ReconstructionMuon:
     def _gather(self, t):
         direction = momentum_direction_(t["grad"], t["buf"], self.h.momentum, self.h.nesterov)
         full = torch.empty(t["param"].numel() * self.world, dtype=direction.dtype)
-        work = dist.all_gather_into_tensor(full, direction, group=self.group, async_op=self.prefetch)
+        work = all_gather_single(full, direction, group=self.group, async_op=self.prefetch)
         return full, work
 
     @torch.no_grad()
@@ -196,7 +197,7 @@ class ReconstructionMuon:
         out = {}
         for t in self.matrices + self.tail:
             full = torch.empty(t["param"].numel() * self.world)
-            dist.all_gather_into_tensor(full, t["param"], group=self.group)
+            all_gather_single(full, t["param"], group=self.group)
             out[t["name"]] = full[: t["numel"]]
         return out
 

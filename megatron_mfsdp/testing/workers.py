@@ -12,6 +12,7 @@ groups kept for the next task of the same layout, and destroyed by ``release_poo
 from __future__ import annotations
 
 import atexit
+import functools
 import gc
 import multiprocessing
 import os
@@ -33,8 +34,10 @@ COLLECTIVES = (
     "broadcast",
     "all_gather",
     "all_gather_into_tensor",
+    "all_gather_single",
     "reduce_scatter",
     "reduce_scatter_tensor",
+    "reduce_scatter_single",
     "all_to_all",
     "all_to_all_single",
     "reduce",
@@ -291,15 +294,16 @@ def _run_fresh(world_size: int, fn: Callable, args: tuple, threads: int, timeout
 
 class Call(tuple):
     """One collective call: compares as ``(name, tensor elements)``, and also carries ``nbytes``
-    (elements times element size, over every tensor argument) and ``dtypes`` (in argument order)."""
+    (elements times element size, over every tensor argument), ``dtypes`` (in argument order) and
+    ``link``: (bytes in, bytes out) of this rank as NCCL's ring algorithms move them (testing/links.py)."""
 
-    def __new__(cls, name: str, numel: int, nbytes: int = 0, dtypes: tuple = ()):
+    def __new__(cls, name: str, numel: int, nbytes: int = 0, dtypes: tuple = (), link: tuple = (0, 0)):
         call = super().__new__(cls, (name, numel))
-        call.nbytes, call.dtypes = nbytes, tuple(dtypes)
+        call.nbytes, call.dtypes, call.link = nbytes, tuple(dtypes), tuple(link)
         return call
 
     def __reduce__(self):
-        return Call, (self[0], self[1], self.nbytes, self.dtypes)
+        return Call, (self[0], self[1], self.nbytes, self.dtypes, self.link)
 
     @property
     def name(self) -> str:
@@ -342,24 +346,36 @@ class CallLog(list):
 
 class count_collectives:
     """Record every torch.distributed collective made inside the block;
-    ``with count_collectives() as calls: ...`` gives a :class:`CallLog`."""
+    ``with count_collectives() as calls: ...`` gives a :class:`CallLog`. A call that torch makes
+    through another public one (``all_gather_into_tensor`` calls ``all_gather_single``) counts once."""
 
     def __enter__(self) -> CallLog:
+        from .links import link_bytes
+
         self.calls = CallLog()
         self._saved = {}
+        depth = [0]
         for name in COLLECTIVES:
             fn = getattr(dist, name, None)
             if fn is None:
                 continue
             self._saved[name] = fn
 
+            @functools.wraps(fn)
             def wrapper(*args, _name=name, _fn=fn, **kwargs):
+                if depth[0]:
+                    return _fn(*args, **kwargs)
                 tensors = [a for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor)]
                 numel = sum(t.numel() for t in tensors)
                 nbytes = sum(t.numel() * t.element_size() for t in tensors)
-                self.calls.append(Call(_name, numel, nbytes, tuple(t.dtype for t in tensors)))
+                link = link_bytes(_name, args, kwargs)
+                self.calls.append(Call(_name, numel, nbytes, tuple(t.dtype for t in tensors), link))
                 self.calls.tensors.append([(t.numel(), t.dtype) for t in tensors])
-                return _fn(*args, **kwargs)
+                depth[0] += 1
+                try:
+                    return _fn(*args, **kwargs)
+                finally:
+                    depth[0] -= 1
 
             setattr(dist, name, wrapper)
         return self.calls

@@ -11,6 +11,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from ..compat.collectives import all_gather_single
 from ..groups import group_rank, group_size
 from . import control, logging, schedule, steps
 
@@ -33,6 +34,9 @@ def initialize_distributed(args) -> bool:
         owns = True
     else:
         owns = False
+    from .setup import agree_ns_dtype
+
+    agree_ns_dtype(args)  # a default from each rank's hardware, made one before the flags are compared
     control.check_ranks_agree(args)
     from ..groups import initialize_model_parallel
 
@@ -172,9 +176,12 @@ def _mfsdp_settings(args, chunk) -> str:
     from .setup import overlap_grad_reduce
 
     wire = str(chunk.grad_dtype).removeprefix("torch.")
+    order = chunk.comm.reduce_order
+    how = "chained in rank order, fp32 partial sums" if order == "rank" else f"NCCL ring order, summed in {wire}"
     return (
         f", prefetch depth {args.mfsdp_prefetch_depth}, grad reduce "
-        f"{'overlapped' if overlap_grad_reduce(args) else 'blocking'} in {wire} (owner accumulates in fp32)"
+        f"{'overlapped' if overlap_grad_reduce(args) else 'blocking'} in {wire} (owner accumulates in fp32), "
+        f"reduce order {order} ({how})"
     )
 
 
@@ -221,7 +228,7 @@ def _log(args, run, writers, timers, iteration: int, interval: _Interval, gbs: i
     count = interval.advanced + interval.skipped
     mine = torch.tensor([interval.elapsed_s() / count, interval.step_s / count], dtype=torch.float64, device=run.device)
     per_rank = torch.empty(dist.get_world_size() * 2, dtype=torch.float64, device=run.device)
-    dist.all_gather_into_tensor(per_rank, mine)
+    all_gather_single(per_rank, mine)
     per_rank = per_rank.view(-1, 2).tolist()  # (iteration s, optimizer step s) of every rank
     elapsed, step_s = (max(column) for column in zip(*per_rank))  # the slowest rank's, as Megatron's timers
     lr = run.optimizer.param_groups[0]["lr"]

@@ -44,6 +44,7 @@ def runtime_config(args, on_cpu: bool | None = None) -> MatrixFSDPConfig:
         split_qkv_owners=args.mfsdp_split_qkv_owners,
         newton_schulz=NewtonSchulzCost.of(args, not torch.cuda.is_available() if on_cpu is None else on_cpu),
         verify_collectives=args.mfsdp_verify_collectives,
+        reduce_order=args.mfsdp_reduce_order,
         grad_reduce_in_fp32=args.accumulate_allreduce_grads_in_fp32 or not low_precision,
         prefetch_depth=args.mfsdp_prefetch_depth,
         overlap_grad_reduce=overlap_grad_reduce(args),
@@ -195,3 +196,30 @@ def configure_schedule(args, chunks, optimizer) -> None:
         config.param_sync_func = chunks[0].start_param_sync if one else [c.start_param_sync for c in chunks]
     config.finalize_model_grads_func = finalize_model_grads
     config.grad_scale_func = optimizer.scale_loss
+
+
+NS_DTYPE_FLAGS = ("--muon-ns-dtype", "--muon-fp32-matmul-prec")
+NS_DTYPE_NOTICE = "--muon-ns-dtype not given:"  # the start of validate.py's notice of the default
+
+
+def agree_ns_dtype(args) -> None:
+    """One Newton-Schulz dtype on every rank. Without NS_DTYPE_FLAGS each rank chose it from its
+    own hardware (validate.py), so ranks on different machine types could iterate in different
+    dtypes: then all take fp32, which every rank can run, and the notice names the ranks. Needs
+    the process group; one process makes no collective."""
+    import torch.distributed as dist
+
+    world = dist.get_world_size()
+    if world == 1:
+        return
+    mine = None if set(NS_DTYPE_FLAGS) & set(args.explicit) else args.muon_ns_dtype
+    choices = [None] * world
+    dist.all_gather_object(choices, mine)  # flags that differ between ranks: check_ranks_agree says so
+    chosen = sorted({c for c in choices if c is not None})
+    if mine is None or len(chosen) < 2:
+        return
+    ranks = "; ".join(f"{d} on rank(s) {', '.join(str(r) for r, c in enumerate(choices) if c == d)}" for d in chosen)
+    args.muon_ns_dtype = "fp32"
+    args.notices = [n for n in args.notices if not n.startswith(NS_DTYPE_NOTICE)] + [
+        f"{NS_DTYPE_NOTICE} Newton-Schulz in fp32 on every rank: the ranks' hardware chose differently ({ranks})"
+    ]

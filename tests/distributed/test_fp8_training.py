@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 
+from megatron_mfsdp.runtime.traffic import tail_slice
 from megatron_mfsdp.testing import (
     count_collectives,
     dist_checkpoint,
@@ -157,6 +158,7 @@ def _unit_bytes(ddp):
                 "scales": scales,
                 "matrix_bytes": state.wire.matrix_numel * size,
                 "tail_bytes": state.wire.tail_numel * size,
+                "padded_tail_bytes": tail_slice(state.wire) * state.wire.world_size * size,
                 "matrix_elements": state.layout.matrix_numel,
             }
         )
@@ -183,10 +185,10 @@ def _bytes_worker(rank, world, recipe):
 
 
 def _gather_bytes(calls) -> int:
-    """Bytes of the weight gathers: the gather moves raw bytes (uint8) in one all_to_all_single per unit
-    (runtime/comm.py); at W=2 its send (s_r) and receive (U - s_r) buffers add up to the unit's U bytes.
-    The reduction is fp32 and the plan signatures int64."""
-    return sum(c.nbytes for c in calls if set(c.dtypes) == {torch.uint8})
+    """Bytes this rank received in the weight gathers: the gather moves raw bytes (uint8), a broadcast per
+    owner part and an all-gather of the padded tail (runtime/comm.py); at W=2 the two ranks together
+    receive each unit's matrix bytes and its padded tail once. The reduction is fp32, the signatures int64."""
+    return sum(c.link[0] for c in calls if set(c.dtypes) == {torch.uint8})
 
 
 @pytest.mark.parametrize("recipe", ["tensorwise", "blockwise"])
@@ -198,7 +200,9 @@ def test_gathers_move_one_byte_per_matrix_element_and_no_amax_collective(recipe)
         units = r["units"]
         matrix = sum(units[i]["matrix_bytes"] for i in r["gathered"])
         tail = sum(units[i]["tail_bytes"] for i in r["gathered"])
-        assert _gather_bytes(r["calls"]) == matrix + tail, label  # the collectives moved exactly that
+        padded = sum(units[i]["padded_tail_bytes"] for i in r["gathered"])
+        received = sum(_gather_bytes(rank[label]["calls"]) for rank in results)
+        assert received == matrix + padded and 0 <= padded - tail < len(r["gathered"]) * 2, label  # moved that
         assert not any(d.is_floating_point and d.itemsize == 1 for c in r["calls"] for d in c.dtypes)  # no float8
         table[label] = (matrix, tail, sum(1 for c in r["calls"] if c[0] == "all_reduce"))
     bf16, fp8 = results[0]["bf16"]["units"], results[0]["fp8"]["units"]

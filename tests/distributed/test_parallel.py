@@ -146,7 +146,7 @@ def test_tp2_dp2_matches_single_process(mode, blocks, reference_dp2):
                 # the grad stats, then one Gram all-reduce per NS iteration per owned block
                 assert names == ["all_reduce"] * (1 + NS_STEPS * r["owned_blocks"])
             else:
-                assert names == ["all_reduce"] + ["all_gather_into_tensor"] * (len(calls) - 1)
+                assert names == ["all_reduce"] + ["all_gather_single"] * (len(calls) - 1)
         print(
             f"  {mode}: {len(r['step_calls'][0])} collectives in one step on a rank owning {r['owned_blocks']} blocks"
         )

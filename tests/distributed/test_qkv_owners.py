@@ -26,12 +26,12 @@ MQA = {"num_query_groups": 1}  # one query group per TP shard at TP=1: Q, K, V a
 MHA = {"num_query_groups": 4}  # a group per head: Q, K and V interleave, a block is 4 row ranges
 
 
-def _train_worker(rank, world_size, steps, mode, model_overrides, coalesce=True):
+def _train_worker(rank, world_size, steps, mode, model_overrides, order="rank"):
     from megatron_mfsdp import MatrixFSDP, MatrixFSDPConfig, get_megatron_optimizer
 
     init_megatron()
     config, model = tiny_gpt(**model_overrides)
-    ddp = MatrixFSDP(config, MatrixFSDPConfig(split_qkv_owners=mode, coalesce=coalesce), model)
+    ddp = MatrixFSDP(config, MatrixFSDPConfig(split_qkv_owners=mode, reduce_order=order), model)
     opt = get_megatron_optimizer(optimizer_config(), [ddp])
     step_calls = []
     for step in range(1, steps + 1):
@@ -42,7 +42,7 @@ def _train_worker(rank, world_size, steps, mode, model_overrides, coalesce=True)
             success, _, _ = opt.step()
         assert success
         step_calls.append(list(calls))
-    moved = dict(ddp.comm.traffic)
+    moved = {phase: tuple(link) for phase, link in ddp.comm.traffic.items()}
     return {
         "full": ddp.full_state_dict(),
         "opt": opt.state_dict(),
@@ -69,13 +69,10 @@ def _reference_worker(rank, world_size, dp_size, steps, model_overrides):
     return reference_train(model, config, optimizer_config(), dp_size, steps, 1)
 
 
-# Coalesced, a block's gradient rows are packed in segment order; per region (the older path), at
-# the block's place in the unit's flat buffer: both routes read the block's rows of the gradient.
-@pytest.mark.parametrize(
-    "mode,model,coalesce", [("contiguous", MQA, True), ("contiguous", MQA, False), ("all", MHA, True)]
-)
-def test_qkv_blocks_apart_bitwise_equal_single_process_and_communication_free(mode, model, coalesce):
-    results = run_workers(2, _train_worker, STEPS, mode, model, coalesce)
+# A block's gradient rows are packed at its place in the unit's flat buffer, whichever order sums them.
+@pytest.mark.parametrize("mode,model", [("contiguous", MQA), ("all", MHA)])
+def test_qkv_blocks_apart_bitwise_equal_single_process_and_communication_free(mode, model):
+    results = run_workers(2, _train_worker, STEPS, mode, model)
     reference = run_workers(1, _reference_worker, 2, STEPS, model)[0]
 
     blocks = [s for s in results[0]["slots"] if s[0] != s[1]]
@@ -100,11 +97,21 @@ def test_qkv_blocks_apart_bitwise_equal_single_process_and_communication_free(mo
     assert "Q/K/V apart in 2 linear_qkv" in results[0]["report"].splitlines()[0]
     for r in results:
         assert all(calls == [("all_reduce", 2)] for calls in r["step_calls"]), r["step_calls"]
-    # Bytes that moved (every rank's received gathers and off-rank reductions, STEPS iterations)
-    # equal ZeRO-3's formula: the blocks change owners, not traffic.
+    # The blocks change owners, not traffic: no rank moved more than the predicted busiest rank of
+    # each call, which is at most W / (W - 1) x 1.02 of ZeRO-3's bytes per rank.
     for phase, key in (("forward gather", "forward"), ("backward gather", "backward"), ("reduction", "reduce")):
         ours, zero3 = results[0]["traffic"][phase]
-        assert sum(r["moved"][key] for r in results) == STEPS * ours == STEPS * zero3 > 0, phase
+        assert 0 < ours <= 2 * 1.02 * zero3, (phase, ours, zero3)
+        assert all(0 < max(r["moved"][key]) <= STEPS * ours for r in results), (phase, ours)
+
+
+def test_qkv_blocks_apart_in_ring_order_within_rounding_of_rank_order():
+    """NCCL's default order sums the blocks' rows in the ring's order: the same training within
+    rounding (3 steps of Muon on the tiny model: 1e-6 relative)."""
+    ring = run_workers(2, _train_worker, STEPS, "contiguous", MQA, "ring")
+    exact = run_workers(2, _train_worker, STEPS, "contiguous", MQA, "rank")
+    for name, want in exact[0]["full"].items():
+        assert torch.allclose(ring[0]["full"][name], want, rtol=1e-6, atol=1e-7), name
 
 
 def test_blocks_apart_place_finer_items_than_whole_matrices():

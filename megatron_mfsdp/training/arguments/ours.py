@@ -23,6 +23,11 @@ def config_choices(cls, name: str) -> list:
     return list(_field(cls, name).metadata["choices"])
 
 
+def add_config_choice(g, flag: str, cls, name: str, help: str) -> None:
+    """A flag whose choices and default are a config field's (one source of truth)."""
+    g.add_argument(flag, choices=config_choices(cls, name), default=config_default(cls, name), help=help)
+
+
 class _Deprecated(argparse.Action):
     """An old spelling, kept for one release: sets the new dest and records a notice."""
 
@@ -126,19 +131,21 @@ def _add_placement_args(g) -> None:
     from ...optim import registry
 
     g.add_argument("--mfsdp-planner", choices=config_choices(R, "planner"), default=config_default(R, "planner"))
-    g.add_argument(
+    add_config_choice(
+        g,
         "--mfsdp-layout",
-        choices=config_choices(R, "layout"),
-        default=config_default(R, "layout"),
-        help="owner: each Muon matrix whole on one DP rank, the optimizer step moves no tensor data; "
+        R,
+        "layout",
+        "owner: each Muon matrix whole on one DP rank, the optimizer step moves no tensor data; "
         "even: ordinary ZeRO-3 even flat shards with reconstruction Muon (each matrix gathered over DP "
         "and orthogonalized on every rank each step), the baseline owner placement is measured against",
     )
-    g.add_argument(
+    add_config_choice(
+        g,
         "--mfsdp-split-qkv-owners",
-        choices=config_choices(R, "split_qkv_owners"),
-        default=config_default(R, "split_qkv_owners"),
-        help="give the Q, K and V blocks of each linear_qkv owners of their own (finer items for the planner; "
+        R,
+        "split_qkv_owners",
+        "give the Q, K and V blocks of each linear_qkv owners of their own (finer items for the planner; "
         "the weight is merged after each gather). contiguous: where a TP shard holds one query group; all: "
         "also where groups interleave them (MHA). Needs Muon with the QKV split, the owner layout and no FP8",
     )
@@ -176,6 +183,16 @@ def add_mfsdp_args(p: argparse.ArgumentParser) -> None:
         metavar="N",
         help="gather the next N units' weights (forward) or previous N (backward) while a unit computes; "
         "0: gather each unit when it is needed. Each costs one unit's weights of transient memory",
+    )
+    add_config_choice(
+        g,
+        "--mfsdp-reduce-order",
+        R,
+        "reduce_order",
+        "how each owner's gradient is summed over DP. rank: a chain in rank order, bitwise the "
+        "single-process reference (fp32 partial sums); ring: NCCL's reduce per owner part and reduce-scatter "
+        "of the tail, summed in ring order in the wire dtype; auto: ring on NCCL, rank elsewhere (gloo). "
+        "Either moves about one unit per rank and reduction, however the owners split it",
     )
     g.add_argument(
         "--mfsdp-no-verify-collectives",

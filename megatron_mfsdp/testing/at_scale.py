@@ -1,0 +1,103 @@
+"""Every rank's side of the unit collectives at any W, in one process.
+
+torch's ``fake`` process-group backend answers every call at once and leaves tensors alone, so a
+plan for 1024 ranks can be driven through the real ``SegmentComm`` rank by rank, on meta tensors
+(shapes only, nothing allocated): the real planner's layouts, the real calls, the comm's own
+per-call charges. What this shows: the torch.distributed calls per unit operation, each rank's
+bytes in and out (held against runtime/traffic.py's prediction from the layout), the busiest rank
+against ZeRO-3's bytes per rank, and the largest buffer a gather or reduction allocates. What it
+cannot show: time, NCCL's algorithm and protocol choice, the concurrency of grouped calls.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ..groups import ProcessGroups
+from ..placement.layout import Plan, UnitLayout
+from ..runtime.comm import SegmentComm
+from ..runtime.traffic import busiest, gather_links, owner_parts, reduce_links, zero3_bytes
+from .workers import count_collectives
+
+
+@dataclass
+class UnitScale:
+    """One unit's collectives over every rank of the plan."""
+
+    index: int
+    name: str
+    numel: int
+    parts: int  # non-empty owner parts (one broadcast or reduce each)
+    gather_calls: int  # torch.distributed calls of one gather, most on any rank
+    reduce_calls: int  # ... of one reduction
+    gather_busiest: int  # bytes: the busiest rank's larger direction in one gather
+    reduce_busiest: int
+    zero3_gather: int  # ZeRO-3's bytes per rank, each way, for the same all-gather
+    zero3_reduce: int  # ... reduce-scatter
+    transient: int  # the largest buffer (bytes) any rank allocated for the unit (gathered weights, packed
+    # gradient, staging), to hold against the unit's fp32 gradient
+    as_predicted: bool  # every rank's charges equal runtime/traffic.py's prediction
+
+
+def _one_rank(plan: Plan, units: Sequence[int], rank: int, dtypes, order: str, routes: dict) -> dict:
+    """(calls, links, transient) per unit operation of ``rank``, on the fake backend."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    param_dtype, grad_dtype = dtypes
+    dist.init_process_group("fake", rank=rank, world_size=plan.world_size, store=FakeStore())
+    try:
+        groups = ProcessGroups(dp=dist.group.WORLD, dp_shard=dist.group.WORLD)
+        comm = SegmentComm(groups, verify=False, reduce_order=order)
+        comm.routes = routes  # the same for every rank: built once, not W times
+        out = {}
+        for i in units:
+            layout: UnitLayout = plan.units[i]
+            comm.log, comm.transient = [], 0
+            segment = torch.empty(layout.segment_numel(rank), dtype=param_dtype, device="meta")
+            with count_collectives() as gather:
+                comm.start_gather(layout, segment, "forward").wait()
+            comm.device = segment.device
+            packed = comm.pack_grads(layout, {}, grad_dtype, 1.0)  # the runtime's own buffer, zeros
+            with count_collectives() as reduce:
+                comm.start_reduce(layout, packed).wait()
+            links = [(e.bytes_in, e.bytes_out) for e in comm.log]
+            out[i] = (len(gather), len(reduce), links, comm.transient)
+        return out
+    finally:
+        dist.destroy_process_group()
+
+
+def simulate(plan: Plan, units: Sequence[int], param_dtype, grad_dtype, order: str) -> list[UnitScale]:
+    """Drive ``units`` of ``plan`` through every rank's SegmentComm ('rank' or 'ring' reduce order)."""
+    if dist.is_initialized():
+        raise RuntimeError("simulate() starts fake process groups; call it where no process group exists")
+    w = plan.world_size
+    routes = {}
+    ranks = [_one_rank(plan, units, r, (param_dtype, grad_dtype), order, routes) for r in range(w)]
+    pe, ge = torch.empty(0, dtype=param_dtype).element_size(), torch.empty(0, dtype=grad_dtype).element_size()
+    rows = []
+    for i in units:
+        layout = plan.units[i]
+        gathers, reduces = [r[i][2][0] for r in ranks], [r[i][2][1] for r in ranks]
+        predicted = gathers == gather_links(layout, pe) and reduces == reduce_links(layout, order, ge)
+        rows.append(
+            UnitScale(
+                i,
+                layout.name,
+                layout.numel,
+                len(owner_parts(layout)),
+                max(r[i][0] for r in ranks),
+                max(r[i][1] for r in ranks),
+                busiest(gathers),
+                busiest(reduces),
+                zero3_bytes(layout.numel, pe, w),
+                zero3_bytes(layout.numel, ge, w),
+                max(r[i][3] for r in ranks),
+                predicted,
+            )
+        )
+    return rows
