@@ -8,7 +8,8 @@
   ``write_model_checkpoint(save_dir, args, tensors)``: the whole model at 1 x 1 x 1 from or to
   any layout's torch_dist checkpoint, for conversion (model_files.py).
 
-Folders are written atomically with checksums (files.py); see docs/design.md, "Checkpoints"."""
+Folders are written atomically (files.py) with checksums each rank takes of the files it writes
+and verifies a share of at load (integrity.py); see docs/design.md, "Checkpoints"."""
 
 from .files import TRACKER, read_tracker, verify_manifest
 from .job import finalize_async_save, load_checkpoint, read_checkpoint_args, save_checkpoint

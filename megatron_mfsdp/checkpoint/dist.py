@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from ..compat.cpu import cuda_on_cpu
+from . import integrity
 
 RNG_KEY = "rng_state"
 
@@ -97,17 +98,10 @@ def _in_process_results_queue() -> None:
         filesystem_async._results_queue = queue.Queue()
 
 
-def save_state_dict(state: dict, folder: str) -> None:
-    """dist_checkpointing.save into an existing empty folder (collective)."""
-    from megatron.core import dist_checkpointing
-
-    _in_process_results_queue()
-    with cuda_on_cpu():
-        dist_checkpointing.save(state, folder)
-
-
-def async_save_request(state: dict, folder: str):
-    """dist_checkpointing's asynchronous save: planning now (collective), the write in the background."""
+def save_request(state: dict, folder: str):
+    """megatron-core's save of ``state`` into ``folder`` as an AsyncRequest: the plan (collective)
+    and rank 0's common.pt now; this rank's writes in :func:`write_own_files`, whenever the caller
+    runs it (at once, or in the --async-save writer thread); then :func:`finish_request`."""
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 
@@ -115,6 +109,52 @@ def async_save_request(state: dict, folder: str):
     with cuda_on_cpu():
         strategy = TorchDistSaveShardedStrategy("torch_dist", 1)
         return dist_checkpointing.save(state, folder, strategy, async_sharded_save=True)
+
+
+def write_own_files(request, folder: str, preload: bool) -> dict:
+    """Write this rank's files of a save request, then hash them: {path in folder: entry}.
+
+    The hash is taken right after the write returns, in the same thread, from the pages just
+    written, not as the bytes go out: megatron-core's writer (FileSystemWriterAsync.
+    write_preloaded_data) opens each file itself with the builtin ``open`` in a forked process per
+    bucket and offers no hook on the stream but torch's stream-transform extensions, which record
+    themselves in ``.metadata`` (a checkpoint Megatron-LM could no longer read); wrapping its stream
+    would mean patching or copying megatron-core's writer. The files are this rank's own, so the
+    extra pass costs one read of what the rank just wrote, at memory speed while the pages are
+    cached. ``preload``: stage device tensors on the host first (megatron-core's own preload_fn,
+    as AsyncRequest.execute_sync does); an --async-save snapshot is already on the host."""
+    args = list(request.async_fn_args)
+    if request.async_fn is None:
+        return {}
+    with cuda_on_cpu():
+        if preload and request.preload_fn is not None:
+            args[1] = request.preload_fn()
+        request.async_fn(*args, **request.async_fn_kwargs)
+    # async_fn_args[1] holds the write buckets, (file path, storage key, data) each: megatron-core's
+    # WriteBucket (filesystem_async.py) and AsyncRequest.execute_sync's documented argument.
+    return integrity.hash_written(folder, [bucket[0] for bucket in args[1]], dist.get_rank())
+
+
+def finish_request(request) -> None:
+    """megatron-core's finalization (collective): the global metadata and metadata.json, on rank 0."""
+    with cuda_on_cpu():
+        for fn in request.finalize_fns:
+            fn()
+
+
+def save_state_dict(state: dict, folder: str) -> dict:
+    """dist_checkpointing's save into an existing empty folder (collective): this rank writes and
+    hashes its files; every rank's write error stops every rank. Returns this rank's entries
+    (files.finish_save gathers them into the manifest)."""
+    request = save_request(state, folder)
+    entries, error = {}, None
+    try:
+        entries = write_own_files(request, folder, preload=True)
+    except Exception as err:  # noqa: BLE001 - agreed below, so that no rank waits in finalize
+        error = f"writing {folder}: {err}"
+    integrity.agree(error)
+    finish_request(request)
+    return entries
 
 
 def load_common(folder: str) -> dict:
@@ -170,12 +210,3 @@ def copy_loaded(request, loaded) -> None:
         if loaded.data_ptr() != request.data.data_ptr():
             with torch.no_grad():
                 request.data.copy_(loaded.reshape(request.data.shape))
-
-
-def broadcast_error(message: str | None) -> None:
-    """Raise the same error on every rank when rank 0 found one."""
-    box = [message]
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.broadcast_object_list(box, src=0)
-    if box[0]:
-        raise ValueError(box[0])

@@ -1,23 +1,25 @@
 """Checkpoint folders that lose nothing: Megatron-LM's names (``latest_checkpointed_iteration.txt``,
 ``iter_%07d/``), written into a temporary folder, fsynced, checksummed and renamed into place.
 
-A save writes ``SAVE/iter_0000100.tmp/``; once every rank has written its files, rank 0 writes
-``manifest.json`` (sha256 and size of every file), fsyncs, renames the folder to ``iter_0000100``
-and then replaces the tracker, never with an older iteration than the one it holds. A save that
-is killed leaves only a ``*.tmp`` folder, which no load picks and the next save removes.
-Loading verifies the manifest before any file is opened by torch."""
+A save writes ``SAVE/iter_0000100.tmp/``; each rank hashes the files it writes (integrity.py); once
+every rank has written, rank 0 gathers their entries into ``manifest.json`` (size, checksum and
+writer of every file), fsyncs, renames the folder to ``iter_0000100`` and then replaces the
+tracker, never with an older iteration than the one it holds. A save that is killed leaves only a
+``*.tmp`` folder, which no load picks and the next save removes. Loading has each rank verify its
+share of the files against the manifest before any file is opened by torch."""
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import shutil
 
+import torch.distributed as dist
+
+from . import integrity
+from .integrity import MANIFEST
+
 TRACKER = "latest_checkpointed_iteration.txt"
-MANIFEST = "manifest.json"
 TMP_SUFFIX = ".tmp"
-_CHUNK = 1 << 22
 
 
 def iteration_dir(root: str, iteration: int) -> str:
@@ -103,69 +105,84 @@ def remove_leftovers(root: str) -> list[str]:
     return removed
 
 
-def sha256_file(path: str) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(_CHUNK):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def _files(folder: str) -> list[str]:
-    out = []
-    for base, _, names in os.walk(folder):
-        for name in names:
-            rel = os.path.relpath(os.path.join(base, name), folder)
-            if rel != MANIFEST:
-                out.append(rel)
-    return sorted(out)
-
-
 def write_manifest(folder: str, extra: dict | None = None) -> dict:
-    """sha256 and size of every file in ``folder`` (fsynced), as ``manifest.json``."""
-    entries = {}
-    for rel in _files(folder):
-        path = os.path.join(folder, rel)
-        with open(path, "rb+") as f:
-            os.fsync(f.fileno())
-        entries[rel] = {"sha256": sha256_file(path), "bytes": os.path.getsize(path)}
-    manifest = {"files": entries, **(extra or {})}
-    path = os.path.join(folder, MANIFEST)
-    with open(path, "w") as f:
-        json.dump(manifest, f, indent=1, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
-    _fsync_dir(folder)
-    return manifest
+    """One process hashes every file in ``folder`` (fsynced) into ``manifest.json``, as rank 0's:
+    for tools and tests. A job's save gathers what each rank hashed instead (:func:`finish_save`)."""
+    paths = [os.path.join(folder, rel) for rel in integrity.folder_files(folder)]
+    return integrity.write_manifest_file(folder, integrity.hash_written(folder, paths, 0), extra)
 
 
-def verify_manifest(folder: str, foreign_ok: bool = False) -> dict:
-    """Check every file against ``manifest.json``; raise naming the first file that is missing,
-    truncated, altered or unexpected. Returns the manifest. With ``foreign_ok`` a torch_dist folder
-    without one (written by Megatron-LM or another tool) is accepted unverified, with a notice."""
+def read_manifest(folder: str, foreign_ok: bool = False) -> dict:
+    """The folder's manifest (any version). With ``foreign_ok`` a torch_dist folder without one
+    (written by Megatron-LM or another tool) is accepted unverified, with a notice (rank 0)."""
     path = os.path.join(folder, MANIFEST)
     if not os.path.isfile(path):
         if foreign_ok and os.path.isfile(os.path.join(folder, "metadata.json")):
-            print(
-                f"> WARNING: {folder} has no {MANIFEST} (not written by megatron-mfsdp): its files cannot be verified"
-            )
-            return {"format": "torch_dist", "files": {}}
+            if not dist.is_initialized() or dist.get_rank() == 0:
+                print(
+                    f"> WARNING: {folder} has no {MANIFEST} (not written by megatron-mfsdp): "
+                    "its files cannot be verified"
+                )
+            return {"format": "torch_dist", "hash": integrity.HASH, "files": {}}
         raise ValueError(f"checkpoint {folder}: {MANIFEST} is missing (not a complete megatron-mfsdp save)")
-    with open(path) as f:
-        manifest = json.load(f)
-    for rel, entry in sorted(manifest["files"].items()):
-        file = os.path.join(folder, rel)
-        if not os.path.isfile(file):
-            raise ValueError(f"checkpoint file {file} is missing")
-        size = os.path.getsize(file)
-        if size != entry["bytes"]:
-            raise ValueError(f"checkpoint file {file} has {size} bytes, the save wrote {entry['bytes']} (truncated?)")
-        if sha256_file(file) != entry["sha256"]:
-            raise ValueError(f"checkpoint file {file} fails its sha256 checksum (corrupted)")
-    unexpected = sorted(set(_files(folder)) - set(manifest["files"]))
-    if unexpected:
-        raise ValueError(f"checkpoint {folder}: files not written by the save: {unexpected}")
+    return integrity.read_manifest_file(path)
+
+
+def verify_manifest(folder: str, foreign_ok: bool = False) -> dict:
+    """One process checks every file against ``manifest.json`` (for tools and tests; a job's ranks
+    each check their share: :func:`verify_collective`); raises naming the first file that is
+    missing, truncated, altered or unexpected. Returns the manifest."""
+    manifest = read_manifest(folder, foreign_ok)
+    for rel in sorted(manifest["files"]):
+        error = integrity.check_file(folder, rel, manifest["files"][rel], manifest["hash"])
+        if error:
+            raise ValueError(error)
+    if manifest["files"] and (error := integrity.unexpected_files(folder, manifest)):
+        raise ValueError(error)
     return manifest
+
+
+def verify_collective(folder: str, foreign_ok: bool = False, verify: bool = True) -> dict:
+    """Every rank checks its share of the files (integrity.share; rank 0 also lists the folder for
+    files the save did not write), then one small collective stops every rank, naming each failing
+    file and the rank that found it, before any tensor is read. ``verify=False``
+    (--no-verify-checkpoint-integrity) only reads the manifest. Collective; returns the manifest."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    manifest, error = None, None
+    try:
+        if not os.path.isdir(folder):
+            raise ValueError(f"checkpoint folder {folder} does not exist")
+        manifest = read_manifest(folder, foreign_ok)
+        if verify and manifest["files"]:
+            error = integrity.check_files(folder, manifest, integrity.share(manifest["files"], rank, world))
+            error = error or (integrity.unexpected_files(folder, manifest) if rank == 0 else None)
+    except ValueError as err:
+        error = str(err)
+    integrity.agree(error)
+    return manifest
+
+
+def finish_save(root: str, iteration: int, tmp: str, entries: dict, fmt: str) -> tuple[str, dict | None]:
+    """Collective end of a save: each rank's entries (what it wrote and hashed) are gathered on rank
+    0, which hashes the files no rank claimed (megatron-core's common.pt, metadata.json and .metadata,
+    written by rank 0: plain values and the global index), writes ``manifest.json``, renames the
+    folder into place and only then moves the tracker (never backwards). Returns the final folder
+    and, on rank 0, the manifest."""
+    final = iteration_dir(root, iteration)
+    everyone, error, manifest = integrity.gather_entries(entries), None, None
+    if everyone is not None:
+        try:
+            gathered = integrity.merge_entries(everyone)
+            unclaimed = [os.path.join(tmp, rel) for rel in integrity.folder_files(tmp) if rel not in gathered]
+            gathered.update(integrity.hash_written(tmp, unclaimed, 0))
+            manifest = integrity.write_manifest_file(tmp, gathered, {"iteration": iteration, "format": fmt})
+            publish(tmp, final)
+            write_tracker(root, iteration)
+        except (OSError, ValueError) as err:
+            error = f"saving {final}: {err}"
+    integrity.agree(error)
+    return final, manifest
 
 
 def publish(tmp: str, final: str) -> None:

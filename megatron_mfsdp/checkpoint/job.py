@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from . import dist as torch_dist
-from . import files, local, resume
+from . import files, integrity, local, resume
 from . import state as ckpt_state
 
 
@@ -63,8 +63,19 @@ def build_state(args, iteration, chunks, optimizer, scheduler, consumed, groups=
     return state
 
 
+def _host_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """A copy in host memory for the writer: pinned and filled asynchronously from a device
+    (synchronized in :func:`_host_snapshot`), a plain clone on the host."""
+    tensor = tensor.detach()
+    if tensor.device.type == "cpu":
+        return tensor.clone()
+    out = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    return out.copy_(tensor, non_blocking=True)
+
+
 def _snapshot(value):
-    """Clone every tensor a save will write, so training may change the originals meanwhile (async)."""
+    """Copy every tensor a save will write to host memory, so training may change the originals
+    meanwhile (--async-save) and no device memory is spent on the copy."""
     from dataclasses import replace
 
     from megatron.core.dist_checkpointing import ShardedTensor
@@ -74,18 +85,28 @@ def _snapshot(value):
     if isinstance(value, list):
         return [_snapshot(v) for v in value]
     if isinstance(value, ShardedTensor):
-        return replace(value, data=value.data.detach().clone())
+        return replace(value, data=_host_copy(value.data))
     if isinstance(value, torch.Tensor):
-        return value.detach().clone()
+        return _host_copy(value)
     return value
 
 
+def _host_snapshot(state: dict) -> dict:
+    """:func:`_snapshot`, and the device's copies finished before training changes the originals."""
+    snapshot = _snapshot(state)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return snapshot
+
+
 class _Pending:
-    """An asynchronous save: its writer thread and what finishes it."""
+    """An asynchronous save: its writer thread (which writes and hashes this rank's files) and what
+    finishes it."""
 
     def __init__(self, request, save_dir: str, iteration: int, tmp: str):
         self.request, self.save_dir, self.iteration, self.tmp = request, save_dir, iteration, tmp
         self.error: BaseException | None = None
+        self.entries: dict = {}
         self.started = time.perf_counter()
         self.returned_at: float | None = None  # when training resumed
         self.written_at: float | None = None
@@ -94,7 +115,7 @@ class _Pending:
 
     def _write(self) -> None:
         try:
-            self.request.async_fn(*self.request.async_fn_args)
+            self.entries = torch_dist.write_own_files(self.request, self.tmp, preload=False)
         except BaseException as err:  # noqa: BLE001 - reported on finalize
             self.error = err
         self.written_at = time.perf_counter()
@@ -121,15 +142,27 @@ def _begin(save_dir: str, iteration: int) -> str:
     return tmp
 
 
-def _publish(save_dir: str, iteration: int, tmp: str, fmt: str) -> str:
-    """Rank 0: checksums, rename into place, tracker (never backwards). Then every rank agrees."""
-    final = files.iteration_dir(save_dir, iteration)
-    if dist.get_rank() == 0:
-        files.write_manifest(tmp, {"iteration": iteration, "format": fmt})
-        files.publish(tmp, final)
-        files.write_tracker(save_dir, iteration)
-    dist.barrier()
+_LAST_SAVE: dict = {}  # rank 0: the bytes each rank wrote and hashed at this process's last save
+
+
+def _publish(save_dir: str, iteration: int, tmp: str, fmt: str, entries: dict) -> str:
+    """Manifest of every rank's entries, rename into place, tracker (never backwards): collective.
+    Rank 0 keeps the largest rank's share for the save line and the time-out line."""
+    final, manifest = files.finish_save(save_dir, iteration, tmp, entries, fmt)
+    if manifest is not None:
+        per_rank = integrity.rank_bytes(manifest["files"])
+        rank, largest = max(per_rank.items(), key=lambda kv: (kv[1], -kv[0]))
+        _LAST_SAVE.update(folder=final, largest=largest, largest_rank=rank, rank0=per_rank.get(0, 0))
     return final
+
+
+def _shares() -> str:
+    if "largest" not in _LAST_SAVE:
+        return ""
+    return (
+        f"largest rank share {_LAST_SAVE['largest'] / 1e9:.3f} GB written and hashed (rank "
+        f"{_LAST_SAVE['largest_rank']}), rank 0 {_LAST_SAVE['rank0'] / 1e9:.3f} GB"
+    )
 
 
 def save_checkpoint(args, iteration: int, chunks, optimizer, scheduler, consumed=(0, 0), groups=None) -> str:
@@ -139,73 +172,71 @@ def save_checkpoint(args, iteration: int, chunks, optimizer, scheduler, consumed
     start = time.perf_counter()
     tmp = _begin(args.save, iteration)
     if args.ckpt_format == "torch":
-        local.save_rank_file(tmp, local.rank_state(args, iteration, chunks, optimizer, scheduler, consumed))
-        dist.barrier()
-        final = _publish(args.save, iteration, tmp, "torch")
+        entries, error = {}, None
+        try:
+            state = local.rank_state(args, iteration, chunks, optimizer, scheduler, consumed)
+            entries = local.save_rank_file(tmp, state)
+        except Exception as err:  # noqa: BLE001 - agreed below: no rank may wait alone in the gather
+            error = f"writing {tmp}: {err}"
+        integrity.agree(error)
+        final = _publish(args.save, iteration, tmp, "torch", entries)
     else:
         state = build_state(args, iteration, chunks, optimizer, scheduler, consumed, groups)
         if getattr(args, "async_save", False):
-            request = torch_dist.async_save_request(_snapshot(state), tmp)
+            request = torch_dist.save_request(_host_snapshot(state), tmp)
             _PENDING.append(_Pending(request, args.save, iteration, tmp))
             _PENDING[-1].returned_at = time.perf_counter()
             return files.iteration_dir(args.save, iteration)
-        torch_dist.save_state_dict(state, tmp)
-        dist.barrier()
-        final = _publish(args.save, iteration, tmp, "torch_dist")
+        entries = torch_dist.save_state_dict(state, tmp)
+        final = _publish(args.save, iteration, tmp, "torch_dist", entries)
     _print0(
         f"  successfully saved checkpoint from iteration {iteration:7d} to {args.save} "
-        f"[ {time.perf_counter() - start:.2f} s ]"
+        f"[ {time.perf_counter() - start:.2f} s, {_shares()} ]"
     )
     return final
 
 
 def finalize_async_save(blocking: bool = False) -> bool:
-    """Finish an asynchronous save once every rank's writer is done (collective: one all-reduce).
-    Returns whether one was finished."""
+    """Finish an asynchronous save once every rank's writer is done (collective: one all-reduce of
+    (not done, failed); a failure on any rank stops every rank with its text). Returns whether one
+    was finished."""
     if not _PENDING:
         return False
     pending = _PENDING[0]
     if blocking:
         pending.thread.join()
-    done = torch.tensor([0 if pending.thread.is_alive() else 1], dtype=torch.int64)
-    dist.all_reduce(done, op=dist.ReduceOp.MIN)
-    if not done.item():
+    flags = [int(pending.thread.is_alive()), int(pending.error is not None)]
+    state = torch.tensor(flags, dtype=torch.int64, device=integrity.collective_device())
+    dist.all_reduce(state, op=dist.ReduceOp.MAX)
+    if state[0].item():
         return False
     _PENDING.pop(0)
-    if pending.error is not None:
-        raise RuntimeError(
-            f"asynchronous save of iteration {pending.iteration} failed: {pending.error}"
-        ) from pending.error
-    from ..compat.cpu import cuda_on_cpu
-
-    with cuda_on_cpu():
-        for fn in pending.request.finalize_fns:
-            fn()
-    dist.barrier()
-    _publish(pending.save_dir, pending.iteration, pending.tmp, "torch_dist")
+    if state[1].item():
+        error = None if pending.error is None else f"writing {pending.tmp}: {pending.error}"
+        try:
+            integrity.agree(error)
+        except ValueError as err:
+            raise RuntimeError(f"asynchronous save of iteration {pending.iteration} failed: {err}") from pending.error
+    torch_dist.finish_request(pending.request)
+    _publish(pending.save_dir, pending.iteration, pending.tmp, "torch_dist", pending.entries)
     resumed, written = pending.returned_at - pending.started, pending.written_at - pending.started
     _print0(
         f"  successfully saved checkpoint from iteration {pending.iteration:7d} to {pending.save_dir} "
-        f"(asynchronously: training resumed after {resumed:.4f} s, the write finished after {written:.4f} s)"
+        f"(asynchronously: training resumed after {resumed:.4f} s, the write finished after {written:.4f} s; "
+        f"{_shares()})"
     )
     return True
 
 
-def _verified_folder(load_dir: str, folder: str) -> dict:
-    """Rank 0 checks every file's checksum before anything is read; every rank raises its error."""
-    error, manifest = None, None
-    if dist.get_rank() == 0:
-        try:
-            if not os.path.isdir(folder):
-                raise ValueError(f"--load {load_dir}: checkpoint folder {folder} does not exist")
-            manifest = files.verify_manifest(folder, foreign_ok=True)
-        except ValueError as err:
-            error = str(err)
-    torch_dist.broadcast_error(error)
-    box = [manifest]
-    if dist.get_world_size() > 1:
-        dist.broadcast_object_list(box, src=0)
-    return box[0]
+def _verified_folder(args, folder: str) -> dict:
+    """Every rank checks its share of the files before anything is read (files.verify_collective);
+    a failure on any rank stops every rank, naming the file. --no-verify-checkpoint-integrity
+    reads the manifest only."""
+    verify = getattr(args, "verify_checkpoint_integrity", True)
+    try:
+        return files.verify_collective(folder, foreign_ok=True, verify=verify)
+    except ValueError as err:
+        raise ValueError(f"--load {args.load}: {err}") from None
 
 
 def _what_to_load(args, common: dict, groups) -> tuple[bool, bool]:
@@ -286,7 +317,7 @@ def load_checkpoint(args, chunks, optimizer, scheduler, groups=None) -> dict | N
         return None
     folder, iteration = target
     start = time.perf_counter()
-    manifest = _verified_folder(args.load, folder)
+    manifest = _verified_folder(args, folder)
     if manifest.get("format") == "torch":
         common = local.load_rank_file(args, folder, chunks, optimizer, scheduler)
     else:
@@ -310,7 +341,12 @@ def read_checkpoint_args(load_dir: str, ckpt_step: int | None = None) -> dict | 
     if target is None:
         return None
     folder = target[0]
-    manifest = files.verify_manifest(folder, foreign_ok=True)
+    manifest = files.read_manifest(folder, foreign_ok=True)
+    rel = local.rank_file(0) if manifest.get("format") == "torch" else "common.pt"
+    if rel in manifest["files"]:  # the one file read here, checked by every rank that reads it
+        error = integrity.check_files(folder, manifest, [rel])
+        if error:
+            raise ValueError(f"--load {load_dir}: {error}")
     if manifest.get("format") == "torch":
         return local.read_args(folder)
     return torch_dist.load_common(folder)["args"]

@@ -3,7 +3,8 @@
 ``SAVE/iter_0000100/rank_00000.pt`` holds the rank's weight segments, optimizer state, scheduler,
 generator states and the arguments, all tensors and plain values (read back with
 ``weights_only=True``). The folder is written like a torch_dist one (files.py: temporary folder,
-checksums, tracker last). It loads only at the same layout: the plan digests are checked."""
+checksums taken while each rank writes its file, tracker last). It loads only at the same layout:
+the plan digests are checked."""
 
 from __future__ import annotations
 
@@ -12,12 +13,17 @@ import os
 import torch
 import torch.distributed as dist
 
-from . import resume
+from . import integrity, resume
 from . import state as ckpt_state
 
 
+def rank_file(rank: int) -> str:
+    """The file of ``rank``, relative to the iteration folder."""
+    return f"rank_{rank:05d}.pt"
+
+
 def _path(folder: str, rank: int) -> str:
-    return os.path.join(folder, f"rank_{rank:05d}.pt")
+    return os.path.join(folder, rank_file(rank))
 
 
 def rank_state(args, iteration: int, chunks, optimizer, scheduler, consumed) -> dict:
@@ -37,8 +43,13 @@ def rank_state(args, iteration: int, chunks, optimizer, scheduler, consumed) -> 
     }
 
 
-def save_rank_file(folder: str, state: dict) -> None:
-    torch.save(state, _path(folder, dist.get_rank()))
+def save_rank_file(folder: str, state: dict) -> dict:
+    """Write this rank's file, hashing the bytes as torch.save hands them over (no read-back), and
+    fsync it; returns its manifest entry {file: entry}."""
+    rank = dist.get_rank()
+    with integrity.HashingWriter(_path(folder, rank), rank) as f:
+        torch.save(state, f)
+    return {rank_file(rank): f.entry()}
 
 
 def read_args(folder: str) -> dict:

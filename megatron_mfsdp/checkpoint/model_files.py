@@ -4,7 +4,7 @@ The layout (megatron/training/checkpointing.py at core_v0.16.1): ``DIR/latest_ch
 names the iteration, ``DIR/iter_%07d/`` is a megatron-core ``dist_checkpointing.save`` of a state dict
 whose ``"model"`` entry is ``GPTModel.sharded_state_dict(prefix="")`` and whose common (non-tensor) part
 holds ``"args"`` (a plain dict of JSON-able values, ``vars(args)``), ``"checkpoint_version"`` 3.0 and
-``"iteration"``; our ``manifest.json`` (files.py) checksums every file. Sharded-tensor keys are global
+``"iteration"``; our ``manifest.json`` (files.py, integrity.py) checksums every file. Sharded-tensor keys are global
 (layers stacked on a leading axis, TP splits as offsets), so what any TP x PP x DP layout saved is read
 here by one process at 1 x 1 x 1 (dist_checkpointing reshards), and what is written here loads at any
 layout.
@@ -109,7 +109,8 @@ def model_tensors(model: torch.nn.Module) -> dict:
 
 def checkpoint_folder(root: str, step: int | None = None) -> tuple[str, int]:
     """(iteration folder, iteration) of --load ROOT (the tracker's, or ``step``: --ckpt-step),
-    its files checked against our manifest first (a Megatron-LM save has none: a notice)."""
+    its files checked against our manifest first (a Megatron-LM save has none: a notice); collective
+    over the process group (a one-rank one is made if none exists)."""
     target = files.load_target(root, step)
     if target is None:
         raise CheckpointError(
@@ -118,8 +119,9 @@ def checkpoint_folder(root: str, step: int | None = None) -> tuple[str, int]:
     folder = target[0]
     if not os.path.isfile(os.path.join(folder, "metadata.json")):
         raise CheckpointError(f"{folder}: no metadata.json (missing or not written by dist_checkpointing)")
-    try:
-        files.verify_manifest(folder, foreign_ok=True)
+    ensure_process_group()
+    try:  # each rank its share of the files (collective), not every rank all of them
+        files.verify_collective(folder, foreign_ok=True)
     except ValueError as err:
         raise CheckpointError(str(err)) from None
     return target
@@ -176,11 +178,5 @@ def write_model_checkpoint(root: str, args, tensors: dict, iteration: int = 0) -
         "checkpoint_version": CHECKPOINT_VERSION,
         "iteration": iteration,
     }
-    torch_dist.save_state_dict(state, tmp)
-    dist.barrier()
-    if dist.get_rank() == 0:
-        files.write_manifest(tmp, {"iteration": iteration, "format": "torch_dist"})
-        files.publish(tmp, folder)
-        files.write_tracker(root, iteration)
-    dist.barrier()
-    return folder
+    entries = torch_dist.save_state_dict(state, tmp)
+    return files.finish_save(root, iteration, tmp, entries, "torch_dist")[0]

@@ -23,6 +23,7 @@ from ..compat.cpu import cuda_on_cpu
 from ..groups import group_rank, group_size
 from ..placement.rules import WHOLE
 from ..precision import new_fp8_state, quantization_error
+from ..profiling import OPTIMIZER_STEP, RULE, profile_range
 from . import registry
 from .rule import GroupMatrix, OwnedPiece, StepContext, UpdateRule
 
@@ -343,13 +344,18 @@ class MatrixFSDPOptimizer(MegatronOptimizer):
                 ctx = StepContext(
                     self.config, self.step_count, group["lr"], group["weight_decay"], self.tp_group, dp_group, matrices
                 )
-                rule.step(group["params"], ctx)
+                with profile_range(RULE.format(rule.name)):
+                    rule.step(group["params"], ctx)
         self._sync_model_from_masters(after_step=True, before=before)
         return True
 
     @torch.no_grad()
     def step(self):
         """Returns (success, grad norm, zero count), as megatron-core's optimizers do."""
+        with profile_range(OPTIMIZER_STEP):
+            return self._unscale_clip_and_step()
+
+    def _unscale_clip_and_step(self):
         found_inf = self.prepare_grads()
         if self.grad_scaler is not None:
             self.grad_scaler.update(found_inf)

@@ -179,24 +179,75 @@ class Plan:
         return elements, list(self.cost_per_rank)
 
     def report(self) -> str:
-        """A printable table: owned bytes and Newton-Schulz flops per rank, with max/mean."""
+        """A printable table: owned bytes and Newton-Schulz flops per rank, with max/mean. Every rank
+        up to FULL_TABLE_MAX_RANKS; above, the ranks at either end of the NS-flops order and
+        histograms (a table of W rows hides the few ranks that matter among the many)."""
         elements, costs = self.per_rank_load()
         nbytes = [e * self.element_size for e in elements]
         blocked = {slot.param for unit in self.units for slot in unit.slots if slot.param is not None}
         apart = f", Q/K/V apart in {len(blocked)} linear_qkv" if blocked else ""
-        lines = [
-            f"MatrixFSDP plan: {len(self.units)} units over {self.world_size} DP ranks, policy {self.policy}{apart}",
-            f"{'rank':>6} {'owned bytes':>14} {'NS flops/step':>16} {'matrices':>9}",
-        ]
         owned = [0] * self.world_size
         for unit in self.units:
             for slot in unit.slots:
                 if slot.owner >= 0:
                     owned[slot.owner] += 1
-        for r in range(self.world_size):
-            lines.append(f"{r:>6} {nbytes[r]:>14,} {2 * costs[r]:>16,} {owned[r]:>9}")
+        lines = [
+            f"MatrixFSDP plan: {len(self.units)} units over {self.world_size} DP ranks, policy {self.policy}{apart}"
+        ]
+        rows = [f"{r:>6} {nbytes[r]:>14,} {2 * costs[r]:>16,} {owned[r]:>9}" for r in range(self.world_size)]
+        header = f"{'rank':>6} {'owned bytes':>14} {'NS flops/step':>16} {'matrices':>9}"
+        if self.world_size <= FULL_TABLE_MAX_RANKS:
+            lines += [header, *rows]
+        else:
+            lines += _summary(rows, nbytes, costs, header)
         lines.append(f"max/mean: bytes {balance(nbytes):.3f}, NS flops {balance(costs):.3f}")
         return "\n".join(lines)
+
+
+FULL_TABLE_MAX_RANKS = 16
+"""Plan.report lists every DP rank up to this many (a screenful); above, SHOWN_AT_EACH_END ranks
+at each end of the NS-flops order and HISTOGRAM_BINS-bin histograms of load / mean."""
+SHOWN_AT_EACH_END = 4
+HISTOGRAM_BINS = 10
+
+
+def _summary(rows: list[str], nbytes: list[int], costs: list[int], header: str) -> list[str]:
+    """The ranks with the most and the least Newton-Schulz flops (the optimizer step waits for the
+    busiest; owned bytes break ties, then rank), and histograms of both loads over all ranks."""
+    world, k = len(rows), SHOWN_AT_EACH_END
+    order = sorted(range(world), key=lambda r: (-costs[r], -nbytes[r], r))
+    return [
+        f"the {k} DP ranks with the most NS flops/step and the {k} with the least, of {world} "
+        f"(owned bytes break ties; every rank is listed at W <= {FULL_TABLE_MAX_RANKS})",
+        header,
+        *(rows[r] for r in order[:k]),
+        f"{'...':>6} ({world - 2 * k} ranks between)",
+        *(rows[r] for r in order[-k:]),
+        load_histogram("NS flops", costs),
+        load_histogram("owned bytes", nbytes),
+    ]
+
+
+def histogram_counts(values: Sequence[float], bins: int = HISTOGRAM_BINS) -> tuple[float, float, list[int]]:
+    """(lowest, highest, counts) of value / mean in ``bins`` equal bins from the lowest to the
+    highest; the highest value falls in the last bin, and all in the first when they are equal."""
+    mean = sum(values) / len(values)
+    ratios = [v / mean if mean > 0 else 1.0 for v in values]
+    lo, hi = min(ratios), max(ratios)
+    width = (hi - lo) / bins
+    counts = [0] * bins
+    for x in ratios:
+        counts[min(int((x - lo) / width), bins - 1) if width > 0 else 0] += 1
+    return lo, hi, counts
+
+
+def load_histogram(label: str, values: Sequence[float]) -> str:
+    """One line: how many ranks fall in each of HISTOGRAM_BINS equal bins of load / mean."""
+    lo, hi, counts = histogram_counts(values)
+    return (
+        f"histogram of {label} / mean over {len(values)} ranks, {len(counts)} equal bins from {lo:.3f} to "
+        f"{hi:.3f}: " + " ".join(str(c) for c in counts)
+    )
 
 
 def balance(values: Sequence[float]) -> float:

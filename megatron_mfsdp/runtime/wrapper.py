@@ -33,7 +33,9 @@ from ..placement.layout import ParamSpec, Plan, UnitLayout, UnitSpec
 from ..placement.planner import plan_units
 from ..placement.verify import verify_plan_agreement
 from ..precision import UnitCodec, fp8_slot_names, new_fp8_state, te_available, te_float8_weight
+from ..profiling import GATHER, REDUCE, WAIT, profile_range
 from .comm import SegmentComm, all_reduce_flat, param_runs_view
+from .main_grad import MainGrads
 from .traffic import UnitWire, iteration_links
 
 
@@ -58,9 +60,10 @@ class _UnitState:
         self.forward_refs = 0
         self.held_to_sites = False  # a tied unit, held in forward from its first module to its last extra site
         self.held_for_backward = False
-        self.grads_seen = 0
+        self.grads_seen: set[int] = set()  # ids of the parameters whose gradient arrived since the last reduction
         self.grad_params = sum(1 for _, p in self.tensors if p.requires_grad)
         self.codec: UnitCodec | None = None  # FP8 matrices: the segment holds bytes (precision/segments.py)
+        self.main_grads: MainGrads | None = None  # --gradient-accumulation-fusion: what the layers write
         self.initial_values: torch.Tensor | None = None  # FP8: the initial weights, until masters are seeded
 
     @property
@@ -217,6 +220,10 @@ class MatrixFSDP(torch.nn.Module):
         ]
         self._materialize_fp8 = None  # TE's FP8 tensor on a GPU with TE; None dequantizes
         self._shard_initial_weights()
+        if getattr(config, "gradient_accumulation_fusion", False):  # the layers read weight.main_grad
+            for state in self.units:
+                if state.grad_params:
+                    state.main_grads = MainGrads(state.tensors, state.shapes, self.device)
         if ddp_config.fp8 is not None:
             self._use_fp8(ddp_config, getattr(config, "num_layers", 0))
         self._install_hooks()
@@ -304,6 +311,8 @@ class MatrixFSDP(torch.nn.Module):
                 if state.grad_params and not state.held_for_backward:
                     self._acquire(state, "backward")
                     state.held_for_backward = True
+                    if state.main_grads is not None:
+                        state.main_grads.materialize()
                     self._prefetch(state.layout.index, -1)
             return None
 
@@ -319,8 +328,10 @@ class MatrixFSDP(torch.nn.Module):
             self, state = wrapper(), unit()
             if self is None or state is None:
                 return
-            state.grads_seen += 1
-            if state.grads_seen == state.grad_params:
+            state.grads_seen.add(id(param))  # a set: a unit held over micro-batches counts each parameter once
+            if state.main_grads is not None:
+                state.main_grads.absorb(param)
+            if len(state.grads_seen) == state.grad_params:
                 self._reduce_and_release(state)
 
         return hook
@@ -335,18 +346,19 @@ class MatrixFSDP(torch.nn.Module):
                 return
             state = self.units[ahead]
             if state.full is None and state.pending is None:
-                state.pending = self.comm.start_gather(state.wire, state.param_segment, phase)
+                state.pending = self._start_gather(state, phase)
+
+    def _start_gather(self, state: _UnitState, phase: str):
+        with profile_range(GATHER.format(state.layout.name)):
+            return self.comm.start_gather(state.wire, state.param_segment, phase)
 
     def _acquire(self, state: _UnitState, phase: str = "other") -> None:
         if state.full is not None:
             return
-        pending = (
-            state.pending
-            if state.pending is not None
-            else self.comm.start_gather(state.wire, state.param_segment, phase)
-        )
+        pending = state.pending if state.pending is not None else self._start_gather(state, phase)
         state.pending = None
-        full = pending.wait()
+        with profile_range(WAIT.format(state.layout.name)):
+            full = pending.wait()
         state.full = full
         if state.codec is not None:  # every rank dequantizes the owners' bytes identically
             values = state.codec.decode(full, self._materialize_fp8)
@@ -371,20 +383,24 @@ class MatrixFSDP(torch.nn.Module):
     @torch.no_grad()
     def _reduce_and_release(self, state: _UnitState) -> None:
         layout = state.layout
+        if state.main_grads is not None:  # the fused layers' fp32 sums, with every p.grad added in
+            grads = state.main_grads.views
+        else:
+            grads = {name: p.grad for name, p in state.tensors if p.grad is not None}
         if self.groups.tp_size > 1 and getattr(self.config, "sequence_parallel", False):
             # Norms and biases see only this TP rank's part of the sequence: sum their
             # gradients over TP (megatron's finalize_model_grads does the same).
-            all_reduce_flat(
-                [p.grad for _, p in state.tensors if p.grad is not None and getattr(p, "sequence_parallel", False)],
-                self.groups.tp,
-            )
-        grads = {name: p.grad for name, p in state.tensors if p.grad is not None}
+            sp = [grads[n] for n, p in state.tensors if n in grads and getattr(p, "sequence_parallel", False)]
+            all_reduce_flat(sp, self.groups.tp)
         packed = self.comm.pack_grads(layout, grads, state.grad_dtype, self.gradient_scaling_factor)
         for _, p in state.tensors:
             p.grad = None
+        if state.main_grads is not None:
+            state.main_grads.free()
         overlap = self.ddp_config.overlap_grad_reduce
-        pending = self.comm.start_reduce(layout, packed)
-        state.grads_seen = 0
+        with profile_range(REDUCE.format(layout.name)):
+            pending = self.comm.start_reduce(layout, packed)
+        state.grads_seen = set()
         state.held_for_backward = False
         self._release(state)
         self._in_flight.append((state, pending))
@@ -395,7 +411,8 @@ class MatrixFSDP(torch.nn.Module):
     @torch.no_grad()
     def _complete_oldest_reduce(self) -> None:
         state, pending = self._in_flight.popleft()
-        state.grad_segment.add_(pending.wait())
+        with profile_range(WAIT.format(state.layout.name)):
+            state.grad_segment.add_(pending.wait())
 
     def wait_for_reductions(self) -> None:
         """Land every reduction in flight in its owner's accumulator (before gradient segments are read)."""

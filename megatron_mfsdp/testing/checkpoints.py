@@ -1,5 +1,6 @@
 """A MatrixFSDP chunk and its optimizer through megatron-core dist_checkpointing, as the tests
-save and load them (the training loop adds the common state, checkpoint/job.py)."""
+save and load them (the training loop adds the common state, checkpoint/job.py), and a job built
+from pretrain_gpt.py's flags without training, for the checkpoint tests and benchmarks."""
 
 from __future__ import annotations
 
@@ -26,3 +27,24 @@ def dist_checkpoint(ddp, opt, path: str, save: bool) -> dict:
     opt.load_sharded_state_dict(loaded["optimizer"]["state"])  # ends in opt.rederive_fp8_payload()
     opt.load_common_state_dict(loaded["optimizer"]["common"])
     return request
+
+
+def build_job(argv: list[str], world: int):
+    """(args, groups, chunks, optimizer, scheduler) of pretrain_gpt.py's flags, set up as its loop sets
+    them up (process groups, micro-batches, data, model, optimizer), its start-up lines silenced."""
+    import contextlib
+    import io
+
+    from ..training import loop, schedule
+    from ..training.arguments import parse_args
+    from ..training.setup import build_model_and_optimizer, configure_schedule
+
+    args = parse_args(list(argv), world_size=world)
+    with contextlib.redirect_stdout(io.StringIO()):
+        loop.initialize_distributed(args)
+        schedule.init_microbatches(args)
+        schedule.update_train_iters(args)
+        loop.prepare_data(args)
+        _, groups, chunks, optimizer, scheduler = build_model_and_optimizer(args, args.padded_vocab_size)
+        configure_schedule(args, chunks, optimizer)
+    return args, groups, chunks, optimizer, scheduler

@@ -1,12 +1,11 @@
 """Run control: every rank launched with the same flags, when to stop (--exit-interval,
---exit-duration-in-mins, --exit-signal-handler), the PyTorch profiler and manual GC."""
+--exit-duration-in-mins, --exit-signal-handler), --profile (nsys or PyTorch profiler) and manual GC."""
 
 from __future__ import annotations
 
 import gc
 import hashlib
 import json
-import os
 import signal
 import time
 
@@ -84,35 +83,67 @@ class ExitControl:
 
 
 class Profiler:
-    """--profile: the PyTorch profiler over iterations [--profile-step-start, --profile-step-end)
-    on --profile-ranks; the trace goes to --tensorboard-dir (or --output-dir)."""
+    """--profile as Megatron-LM's train() runs it (megatron/training/training.py at core_v0.16.1:
+    train and post_training_step_callbacks), on --profile-ranks only.
+
+    nsys mode (default): cudaProfilerStart and emit_nvtx(record_shapes=True) at the top of the
+    loop once --profile-step-start iterations are done, cudaProfilerStop after iteration
+    --profile-step-end: iterations start+1..end, for `nsys profile --capture-range=cudaProfilerApi`.
+    Without CUDA nothing is captured (validation printed a notice).
+    --use-pytorch-profiler: torch.profiler with Megatron-LM's schedule, stepped at the top of each
+    iteration (wait start-1, warmup 1, active end-start: iterations start..end-1 when start > 0);
+    tensorboard_trace_handler writes a chrome trace (<host>_<pid>.<ns>.pt.trace.json) into
+    --tensorboard-dir, else --output-dir (validation requires one)."""
 
     def __init__(self, args):
-        self.args, self.prof = args, None
-        self.on = args.profile and dist.get_rank() in args.profile_ranks
-        self.folder = args.tensorboard_dir or args.output_dir or "."
+        self.args, self.prof, self.nvtx = args, None, None
+        on = args.profile and dist.get_rank() in args.profile_ranks
+        self.nsys = on and not args.use_pytorch_profiler and torch.cuda.is_available()
+        if on and args.use_pytorch_profiler:
+            self.folder = args.tensorboard_dir or args.output_dir
+            start, end = args.profile_step_start, args.profile_step_end
+            self.prof = torch.profiler.profile(
+                schedule=torch.profiler.schedule(
+                    wait=max(start - 1, 0), warmup=1 if start > 0 else 0, active=end - start, repeat=1
+                ),
+                on_trace_ready=self._written(torch.profiler.tensorboard_trace_handler(self.folder)),
+                record_shapes=True,
+                with_stack=True,
+            )
+            self.prof.start()
+
+    def _written(self, handler):
+        def on_trace_ready(prof) -> None:
+            handler(prof)
+            print(f"> profiler: PyTorch trace (*.pt.trace.json, chrome format) written to {self.folder}", flush=True)
+
+        return on_trace_ready
 
     def step(self, iteration: int) -> None:
-        if not self.on:
-            return
-        if iteration == self.args.profile_step_start:
-            activities = [torch.profiler.ProfilerActivity.CPU]
-            if torch.cuda.is_available():
-                activities.append(torch.profiler.ProfilerActivity.CUDA)
-            self.prof = torch.profiler.profile(activities=activities, record_shapes=True)
-            self.prof.__enter__()
-        elif iteration == self.args.profile_step_end and self.prof is not None:
+        """At the top of the loop, `iteration` iterations done (Megatron-LM's train loop)."""
+        if iteration >= self.args.profile_step_end:
+            self.stop()  # a no-op once the loop calls after_step(end); until then the stop lands here
+        elif self.prof is not None:
+            self.prof.step()
+        elif self.nsys and iteration == self.args.profile_step_start:
+            torch.cuda.check_error(torch.cuda.cudart().cudaProfilerStart())
+            self.nvtx = torch.autograd.profiler.emit_nvtx(record_shapes=True)
+            self.nvtx.__enter__()
+
+    def after_step(self, iteration: int) -> None:
+        """After iteration `iteration` (Megatron-LM's post_training_step_callbacks)."""
+        if iteration == self.args.profile_step_end:
             self.stop()
 
     def stop(self) -> None:
-        if self.prof is None:
-            return
-        self.prof.__exit__(None, None, None)
-        os.makedirs(self.folder, exist_ok=True)
-        path = os.path.join(self.folder, f"profile_rank{dist.get_rank()}.json")
-        self.prof.export_chrome_trace(path)
-        self.prof = None
-        print(f"> profiler trace written to {path}", flush=True)
+        """Ends whichever capture is open (also when training ends before --profile-step-end)."""
+        if self.prof is not None:
+            self.prof.stop()
+            self.prof = None
+        if self.nvtx is not None:
+            torch.cuda.check_error(torch.cuda.cudart().cudaProfilerStop())
+            self.nvtx.__exit__(None, None, None)
+            self.nvtx = None
 
 
 def manual_gc_start(args) -> None:

@@ -1,12 +1,14 @@
 """What training prints and records, in Megatron-LM's formats (training_log and
-evaluate_and_print_results in megatron/training/training.py at core_v0.16.1): the iteration
-line and validation lines from the last rank, TensorBoard and W&B scalars under Megatron's
-tags, and our loss history with its PNG."""
+evaluate_and_print_results in megatron/training/training.py at core_v0.16.1): the start-up
+arguments dump and parameter counts, the iteration line and validation lines from the last
+rank, the memory line, TensorBoard and W&B scalars under Megatron's tags, and our loss
+history with its PNG."""
 
 from __future__ import annotations
 
 import datetime
 import math
+import os
 
 import torch
 import torch.distributed as dist
@@ -29,6 +31,45 @@ def print_datetime(string: str) -> None:
     """Megatron-LM's print_datetime: a barrier, then rank 0 prints ``[string] datetime: ...``."""
     dist.barrier()
     print_rank0(f"[{string}] datetime: {datetime.datetime.now():%Y-%m-%d %H:%M:%S.%f} ")
+
+
+def print_args(args, title: str = "arguments") -> None:
+    """Megatron-LM's argument dump (_print_args in megatron/training/arguments.py at core_v0.16.1):
+    rank 0 prints every argument, dotted to column 48, the lines sorted case-blind."""
+    rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
+    if rank != 0:
+        return
+    print(f"------------------------ {title} ------------------------", flush=True)
+    lines = [f"  {name} {'.' * (48 - len(name))} {value}" for name, value in vars(args).items()]
+    for line in sorted(lines, key=lambda x: x.lower()):
+        print(line, flush=True)
+    print(f"-------------------- end of {title} ---------------------", flush=True)
+
+
+def tp_local_parameter_count(chunks) -> int:
+    """Megatron-LM's count (get_model in megatron/training/training.py at core_v0.16.1): every
+    parameter of every model chunk of this rank, each once, at its full TP-local shape. MatrixFSDP
+    released the full tensors after keeping this rank's segment of them, so a wrapped parameter's
+    shape comes from its unit: counting our segments would give this DP rank's share, not the model."""
+    total = 0
+    for chunk in chunks:
+        shapes = {id(p): state.shapes[name] for state in getattr(chunk, "units", ()) for name, p in state.tensors}
+        module = getattr(chunk, "module", chunk)
+        total += sum(math.prod(shapes.get(id(p), p.shape)) for p in module.parameters())
+    return total
+
+
+def parameter_count_line(tp_rank: int, pp_rank: int, count: int) -> str:
+    """As get_model prints it (megatron/training/training.py at core_v0.16.1)."""
+    return f" > number of parameters on (tensor, pipeline) model parallel rank ({tp_rank}, {pp_rank}): {count}"
+
+
+def print_parameter_count(chunks, groups) -> None:
+    """Printed by data-parallel rank 0 of every (TP, PP) pair, as Megatron-LM (which also asks for
+    context-parallel rank 0: there is no context parallelism here)."""
+    if group_rank(groups.dp) == 0:
+        line = parameter_count_line(group_rank(groups.tp), group_rank(groups.pp), tp_local_parameter_count(chunks))
+        print(line, flush=True)
 
 
 def flops_per_iteration(args, batch_size: int, vocab_size: int) -> float:
@@ -113,8 +154,20 @@ def print_stage_plans(chunks, groups) -> None:
         print_rank0(f"> {label}: " + report)
 
 
+def _rss_bytes() -> tuple[int, int]:
+    """(resident set now, its peak) of this process: a CPU's stand-in for the CUDA allocator's."""
+    import resource
+
+    import psutil
+
+    rss = psutil.Process().memory_info().rss
+    # The kernel's high-water mark (KiB on Linux) trails the current figure between its updates.
+    return rss, max(rss, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+
+
 def memory_stats() -> dict:
-    """Megatron's mem-* scalars: the CUDA allocator's, or on a CPU the process's resident memory."""
+    """Megatron's mem-* scalars (training_log in megatron/training/training.py at core_v0.16.1): the
+    CUDA allocator's, or on a CPU the process's resident set (no allocation count there)."""
     if torch.cuda.is_available():
         s = torch.cuda.memory_stats()
         return {
@@ -123,13 +176,38 @@ def memory_stats() -> dict:
             "mem-max-allocated-bytes": s["allocated_bytes.all.peak"],
             "mem-allocated-count": s["allocation.all.current"],
         }
-    import resource
-
-    import psutil
-
-    rss = psutil.Process().memory_info().rss
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    rss, peak = _rss_bytes()
     return {"mem-reserved-bytes": rss, "mem-allocated-bytes": rss, "mem-max-allocated-bytes": peak}
+
+
+CPU_MEMORY_NOTE = " | RSS: no CUDA allocator, allocated and reserved are the process's resident set, max its peak"
+
+
+def memory_line(name: str) -> str:
+    """report_memory's text (megatron/training/utils.py at core_v0.16.1) after ``[Rank r] ``: the
+    CUDA allocator's figures, or on a CPU the resident set in their place, said at the end."""
+    mega_bytes = 1024.0 * 1024.0
+    if torch.cuda.is_available():
+        figures = (
+            torch.cuda.memory_allocated(),
+            torch.cuda.max_memory_allocated(),
+            torch.cuda.memory_reserved(),
+            torch.cuda.max_memory_reserved(),
+        )
+        note = ""
+    else:
+        rss, peak = _rss_bytes()
+        figures, note = (rss, peak, rss, peak), CPU_MEMORY_NOTE
+    string = name + " memory (MB)"
+    for label, value in zip(("allocated", "max allocated", "reserved", "max reserved"), figures):
+        string += f" | {label}: {value / mega_bytes:.2f}"
+    return string + note
+
+
+def report_memory(name: str, groups) -> None:
+    """Megatron-LM's report_memory: every data-parallel rank 0 prints ``[Rank r] ...``."""
+    if group_rank(groups.dp) == 0:
+        print(f"[Rank {dist.get_rank()}] {memory_line(name)}", flush=True)
 
 
 class Writers:

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from ..compat.collectives import all_gather_single
 from ..groups import group_rank, group_size
-from . import control, logging, schedule, steps
+from . import control, launch, logging, memory, schedule, steps
 
 
 def initialize_distributed(args) -> bool:
@@ -134,13 +134,17 @@ def _set_up(args):
     from .setup import backend, build_model_and_optimizer, configure_schedule
 
     start = time.time()
+    connections = launch.configure_cuda_connections(args)  # before set_device creates the CUDA context
     owns = initialize_distributed(args)
+    logging.print_rank0(connections)
     for notice in args.notices:
         logging.print_rank0(f"> notice: {notice}")
+    logging.print_args(args)  # Megatron-LM's dump of every argument, after its warnings
     schedule.init_microbatches(args)
     schedule.update_train_iters(args)
     tokenizer, datasets = prepare_data(args)
     _, groups, chunks, optimizer, scheduler = build_model_and_optimizer(args, args.padded_vocab_size)
+    logging.print_parameter_count(chunks, groups)
     configure_schedule(args, chunks, optimizer)
     mode = backend(args)
     logging.print_rank0(
@@ -155,6 +159,9 @@ def _set_up(args):
     if mode == "matrix_fsdp":
         for chunk in chunks:
             logging.print_rank0(f"> {chunk.traffic_line(args.num_microbatches)}")
+    from .timeouts import print_timeout_line
+
+    print_timeout_line(args)  # what --distributed-timeout-minutes covers (issue 21)
     run = _Run(args, groups, chunks, optimizer, scheduler, owns)
     return run, datasets, start
 
@@ -222,7 +229,7 @@ class _Interval:
         return time.perf_counter() - self.start - self.paused
 
 
-def _log(args, run, writers, timers, iteration: int, interval: _Interval, gbs: int, stats) -> None:
+def _log(args, run, writers, timers, iteration: int, interval: _Interval, gbs: int, stats, report_memory) -> None:
     grad_norm, zeros = stats
     dist.barrier()  # the slowest rank decides the elapsed time, as Megatron-LM's barrier'd timer
     count = interval.advanced + interval.skipped
@@ -266,6 +273,9 @@ def _log(args, run, writers, timers, iteration: int, interval: _Interval, gbs: i
     )
     if args.log_params_norm and getattr(args, "fp8_param_gather", False):
         logging.print_rank_last(logging.fp8_error_line(run.optimizer, run.groups))
+    if report_memory:  # Megatron-LM's report_memory_flag: after the iteration line, before the timers
+        num_micro = gbs // (args.micro_batch_size * args.data_parallel_size)
+        memory.report(args, run.chunks, run.optimizer, run.groups, iteration, num_micro)
     if args.timing_log_level >= 1:
         from ..compat.cpu import cuda_on_cpu
 
@@ -273,8 +283,6 @@ def _log(args, run, writers, timers, iteration: int, interval: _Interval, gbs: i
             timers.log(["forward-backward", "optimizer"], normalizer=count)
     if args.log_timers_to_tensorboard:
         writers.scalars({"iteration-time": elapsed}, iteration)
-    if args.log_memory_to_tensorboard:
-        writers.scalars(logging.memory_stats(), iteration)
 
 
 def _record(args, run, writers, iteration: int, loss: float, gbs: int, grad_norm, zeros) -> None:
@@ -289,6 +297,8 @@ def _record(args, run, writers, iteration: int, loss: float, gbs: int, grad_norm
         values["grad-norm"] = grad_norm
     if zeros is not None:
         values["num-zeros"] = zeros
+    if args.log_memory_to_tensorboard:  # Megatron-LM writes them every --tensorboard-log-interval
+        values.update(logging.memory_stats())
     writers.scalars(values, iteration, run.consumed_train)
 
 
@@ -333,37 +343,42 @@ def _train(args, run, start_iteration: int, writers, start_time: float) -> dict:
     control.manual_gc_start(args)
     interval = _Interval()
     iteration = start_iteration
-    while iteration < args.train_iters:
-        profiler.step(iteration)
-        gbs, num_micro = schedule.current_batch(run.consumed_train)
-        iteration += 1
-        if hasattr(run.optimizer, "fp8_track_error"):  # FP8 rounding against the update, at log iterations
-            run.optimizer.fp8_track_error = bool(args.log_params_norm) and iteration % args.log_interval == 0
-        loss, success, grad_norm, zeros, step_s = steps.train_step(args, run, iteration, num_micro)
-        run.scheduler.step(increment=gbs)
-        run.consumed_train += gbs
-        history["train"].append((iteration, loss))
-        interval.add(loss, success, step_s)
-        _record(args, run, writers, iteration, loss, gbs, grad_norm, zeros)
-        if iteration % args.log_interval == 0:
-            _log(args, run, writers, timers, iteration, interval, gbs, (grad_norm, zeros))
-            interval = _Interval()
-        if args.eval_interval and iteration % args.eval_interval == 0:
-            paused = time.perf_counter()
-            _evaluate(args, run, writers, iteration, f"iteration {iteration}", run.valid, history)
-            interval.paused += time.perf_counter() - paused
-        control.manual_gc_step(args, iteration)
-        _finish_async_save(args, blocking=False)
-        saved = args.save and iteration % args.save_interval == 0
-        if saved:
-            _save(args, run, iteration, interval)
-        reason = exits.reason(iteration, run.device)
-        if reason is not None:
-            if args.save and not saved:
+    report_memory = True  # Megatron-LM's report_memory_flag: at log iterations until one past the first
+    try:
+        while iteration < args.train_iters:
+            profiler.step(iteration)
+            gbs, num_micro = schedule.current_batch(run.consumed_train)
+            iteration += 1
+            if hasattr(run.optimizer, "fp8_track_error"):  # FP8 rounding against the update, at log iterations
+                run.optimizer.fp8_track_error = bool(args.log_params_norm) and iteration % args.log_interval == 0
+            loss, success, grad_norm, zeros, step_s = steps.train_step(args, run, iteration, num_micro)
+            run.scheduler.step(increment=gbs)
+            run.consumed_train += gbs
+            history["train"].append((iteration, loss))
+            interval.add(loss, success, step_s)
+            _record(args, run, writers, iteration, loss, gbs, grad_norm, zeros)
+            if iteration % args.log_interval == 0:
+                _log(args, run, writers, timers, iteration, interval, gbs, (grad_norm, zeros), report_memory)
+                report_memory = report_memory and iteration <= start_iteration + 1
+                interval = _Interval()
+            if args.eval_interval and iteration % args.eval_interval == 0:
+                paused = time.perf_counter()
+                _evaluate(args, run, writers, iteration, f"iteration {iteration}", run.valid, history)
+                interval.paused += time.perf_counter() - paused
+            profiler.after_step(iteration)  # nsys mode stops after iteration end's evaluation, before its save
+            control.manual_gc_step(args, iteration)
+            _finish_async_save(args, blocking=False)
+            saved = args.save and iteration % args.save_interval == 0
+            if saved:
                 _save(args, run, iteration, interval)
-            logging.print_datetime(reason)
-            break
-    profiler.stop()
+            reason = exits.reason(iteration, run.device)
+            if reason is not None:
+                if args.save and not saved:
+                    _save(args, run, iteration, interval)
+                logging.print_datetime(reason)
+                break
+    finally:  # a run that raises inside the window still closes the profiler (a pooled worker lives on)
+        profiler.stop()
     if args.save and iteration > start_iteration and iteration % args.save_interval:
         _save(args, run, iteration, interval)
     _finish_async_save(args, blocking=True)

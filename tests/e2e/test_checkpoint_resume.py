@@ -100,7 +100,7 @@ def test_damaged_checkpoints_fail_before_training_naming_the_file(tmp_path):
     data[len(data) // 2] ^= 0xFF  # one flipped byte
     shard.write_bytes(bytes(data))
     message = _load_error(tmp_path, save)
-    assert f"checkpoint file {shard} fails its sha256 checksum" in message
+    assert f"checkpoint file {shard} fails its xxh3_128 checksum" in message
 
     shard.write_bytes(original[: len(original) // 2])
     message = _load_error(tmp_path, save)

@@ -102,3 +102,54 @@ def test_quickstart_flags_with_train_iters_10(tmp_path):
     assert got[-1] < got[0]
     assert len(losses(result["stdout"])) == 1  # --log-interval 10
     assert len(result["history"]["valid"]) == 1  # the end-of-training validation
+
+
+def test_start_up_facts_print_in_megatrons_order_and_text(tmp_path):
+    """Rank 0's start-up as Megatron-LM prints it (core_v0.16.1): the arguments dump
+    (arguments.py _print_args), the parameter count of the (0, 0) pair (training.py get_model),
+    then after iterations 1 and 2 (report_memory_flag, --log-interval 1) the theoretical memory
+    footprints (theoretical_memory_usage.py; ours for the owner layout after it) and the memory
+    line (utils.py report_memory), with --log-memory-to-tensorboard's tags every iteration.
+    TINY's GPT has 110208 parameters: word embedding 256 x 64 (vocab 201 padded to 256) and
+    positions 32 x 64, per layer two LayerNorms 2 x 128, QKV (4 + 2 x 2) x 16 = 128 rows x 64 with
+    bias, proj 64 x 64 + 64, fc1 256 x 64 + 256, fc2 64 x 256 + 64 (45824), final LayerNorm 128."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tb = tmp_path / "tb"
+    flags = [*TINY, "--use-matrix-fsdp", "--tensorboard-dir", str(tb), "--log-memory-to-tensorboard"]
+    first, last = pretrain_in_workers(2, *flags, tmp_path=tmp_path, rank=None)
+    out = first["stdout"]
+    lines = out.splitlines()
+    head = lines.index("------------------------ arguments ------------------------")
+    end = lines.index("-------------------- end of arguments ---------------------")
+    dump = lines[head + 1 : end]
+    assert dump == sorted(dump, key=str.lower) and len(dump) > 300
+    for line in dump:
+        name = re.match(r"^  (\S+) ", line).group(1)
+        assert line.startswith(f"  {name} {'.' * (48 - len(name))} "), line
+    assert f"  use_matrix_fsdp {'.' * 33} True" in dump and f"  world_size {'.' * 38} 2" in dump
+    count = re.compile(r"^ > number of parameters on \(tensor, pipeline\) model parallel rank \((\d+), (\d+)\): (\d+)$")
+    counts = [m.groups() for m in map(count.match, lines) if m]
+    assert counts == [("0", "0", "110208")]
+    assert not any(map(count.match, last["stdout"].splitlines()))  # DP rank 1 prints none
+    memory = re.compile(
+        r"^\[Rank 0\] \(after (\d+) iterations\) memory \(MB\) \| allocated: [\d.]+ \| max allocated: [\d.]+ \|"
+        r" reserved: [\d.]+ \| max reserved: [\d.]+ \| RSS: "
+    )
+    reports = [i for i, line in enumerate(lines) if memory.match(line)]
+    assert [memory.match(lines[i]).group(1) for i in reports] == ["1", "2"]  # then report_memory_flag is off
+    theoretical = [i for i, line in enumerate(lines) if line.startswith("Theoretical memory footprints: weight")]
+    ours = [i for i, line in enumerate(lines) if line.startswith("Theoretical memory footprints, MatrixFSDP")]
+    plan = next(i for i, line in enumerate(lines) if "MatrixFSDP plan:" in line)
+    assert end < next(i for i, line in enumerate(lines) if count.match(line)) < plan < theoretical[0]
+    assert len(theoretical) == len(ours) == 2
+    assert theoretical[0] < ours[0] < reports[0] < theoretical[1] < ours[1] < reports[1]
+    predicted = re.search(r"weight and optimizer=([\d.]+) MB on the busiest rank", lines[ours[0]]).group(1)
+    assert f"measured per rank: max {predicted} MB" in lines[ours[0]]
+    assert "memory (MB)" not in last["stdout"]
+    events = EventAccumulator(str(tb))
+    events.Reload()
+    mem_tags = {t for t in events.Tags()["scalars"] if t.startswith("mem-")}
+    # training.py training_log's tags (mem-allocated-count needs the CUDA allocator)
+    assert mem_tags == {"mem-reserved-bytes", "mem-allocated-bytes", "mem-max-allocated-bytes"}
+    assert [e.step for e in events.Scalars("mem-allocated-bytes")] == [1, 2, 3, 4, 5]  # --tensorboard-log-interval 1

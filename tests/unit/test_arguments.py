@@ -618,3 +618,17 @@ def test_disable_jit_fuser_runs_megatrons_compiled_fusions_eagerly():
         assert counters["stats"]["unique_graphs"] == 0 and x.grad is not None
     finally:
         torch.compiler.set_stance("default")
+
+
+def test_checkpoint_integrity_is_verified_unless_opted_out():
+    """Ours (issue 21): on by default; --no-verify-checkpoint-integrity turns it off and its help names
+    the risk. Megatron-LM's --verify-integrity (an opt-in there, default off) asks for what is already
+    on: it parses with its notice and changes nothing."""
+    action = build_parser()._option_string_actions["--no-verify-checkpoint-integrity"]
+    assert action.dest == "verify_checkpoint_integrity" and action.default is True
+    assert "damaged or truncated file is then read as is" in action.help
+    assert _parse(TINY).verify_checkpoint_integrity is True
+    assert _parse(TINY + ["--no-verify-checkpoint-integrity"]).verify_checkpoint_integrity is False
+    megatron = _parse(TINY + ["--verify-integrity"])
+    assert megatron.verify_checkpoint_integrity is True
+    assert any(n.startswith("--verify-integrity: ") for n in megatron.notices)

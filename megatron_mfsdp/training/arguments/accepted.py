@@ -18,7 +18,8 @@ NOT_APPLICABLE = {
     "--error-injection-type": "megatron's rerun state machine is not used: no errors are injected",
     "--result-rejected-tracker-filename": "megatron's rerun state machine is not used",
     "--check-weight-hash-across-dp-replicas-interval": "not checked: with --use-matrix-fsdp every weight has one owner",
-    "--verify-integrity": "always on: every checkpoint shard carries a checksum that loading verifies",
+    "--verify-integrity": "on by default here (--no-verify-checkpoint-integrity turns it off): each rank "
+    "checksums the files it writes and verifies its share before a load",
     "--tp-comm-overlap": "needs Transformer Engine userbuffers on CUDA: TP communication is not overlapped",
     "--tp-comm-overlap-cfg": "needs Transformer Engine userbuffers on CUDA: ignored",
     "--async-strategy": "--async-save writes with megatron-mfsdp's own background writer",

@@ -138,6 +138,16 @@ def add_checkpointing_args(p: argparse.ArgumentParser) -> None:
         ],
     )
     g.add_argument("--dist-ckpt-optim-fully-reshardable", action="store_true")
+    # Ours. Megatron-LM's --verify-integrity (HEAD, megatron/training/config/training_config.py) is an
+    # opt-in, default off, whose rank 0 hashes every file with sha256; here checks are on by default.
+    g.add_argument(
+        "--no-verify-checkpoint-integrity",
+        dest="verify_checkpoint_integrity",
+        action="store_false",
+        help="do not check --load's files against their checksums before reading (saves still record them). "
+        "Risk: a damaged or truncated file is then read as is, giving wrong weights or a failure inside torch "
+        "instead of an error naming the file",
+    )
 
 
 def add_distributed_args(p: argparse.ArgumentParser) -> None:
@@ -262,8 +272,19 @@ def add_logging_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--wandb-exp-name", default=None)
     g.add_argument("--wandb-save-dir", default=None)
     g.add_argument("--wandb-entity", default=None)
-    g.add_argument("--profile", action="store_true", help="PyTorch profiler over --profile-step-start..end")
-    g.add_argument("--use-pytorch-profiler", action="store_true")
-    g.add_argument("--profile-step-start", type=nonnegative_int, default=10)
-    g.add_argument("--profile-step-end", type=nonnegative_int, default=12)
-    g.add_argument("--profile-ranks", type=nonnegative_int, nargs="+", default=[0])
+    # megatron/training/common_config.py ProfilingConfig at core_v0.16.1
+    g.add_argument(
+        "--profile",
+        action="store_true",
+        help="nsys mode: cudaProfilerStart/Stop around iterations --profile-step-start+1..end on --profile-ranks, "
+        "for nsys profile -s none -t nvtx,cuda --capture-range=cudaProfilerApi --capture-range-end=stop",
+    )
+    g.add_argument(
+        "--use-pytorch-profiler",
+        action="store_true",
+        help="with --profile: torch.profiler instead; a chrome trace (*.pt.trace.json) in --tensorboard-dir "
+        "(else --output-dir), for Perfetto or TensorBoard",
+    )
+    g.add_argument("--profile-step-start", type=nonnegative_int, default=10, help="global step to start profiling")
+    g.add_argument("--profile-step-end", type=nonnegative_int, default=12, help="global step to stop profiling")
+    g.add_argument("--profile-ranks", type=nonnegative_int, nargs="+", default=[0], help="global ranks to profile")

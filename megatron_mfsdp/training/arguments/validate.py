@@ -374,9 +374,28 @@ def validate_io(args) -> None:
             import wandb  # noqa: F401
         except ImportError:
             _fail(f"--wandb-project {args.wandb_project}: the wandb package is not installed (pip install wandb)")
-    if args.profile and args.profile_step_end <= args.profile_step_start:
+    _validate_profile(args)
+
+
+def _validate_profile(args) -> None:
+    """--profile's two modes as Megatron-LM's train() (megatron/training/training.py at
+    core_v0.16.1); where Megatron-LM would fail mid-run (no CUDA, no trace folder) we say so first."""
+    if args.use_pytorch_profiler and not args.profile:
+        args.notices.append("--use-pytorch-profiler without --profile: nothing is profiled (as Megatron-LM)")
+    if not args.profile:
+        return
+    if args.profile_step_end <= args.profile_step_start:
         _fail(
             f"--profile-step-end {args.profile_step_end} must be after --profile-step-start {args.profile_step_start}"
+        )
+    if args.use_pytorch_profiler and args.tensorboard_dir is None and args.output_dir is None:
+        _fail("--use-pytorch-profiler writes its trace to --tensorboard-dir (else --output-dir): give one of them")
+    if not args.use_pytorch_profiler and not _has_cuda():
+        args.notices.append(
+            "--profile without --use-pytorch-profiler is nsys mode (cudaProfilerStart/Stop around iterations "
+            f"{args.profile_step_start + 1}..{args.profile_step_end}, for nsys --capture-range=cudaProfilerApi): "
+            "it needs CUDA and this machine has none, so nothing is captured; "
+            "add --use-pytorch-profiler for a PyTorch trace"
         )
 
 
