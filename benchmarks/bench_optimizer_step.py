@@ -45,8 +45,10 @@ import time
 import torch
 import torch.distributed as dist
 
+from megatron_mfsdp.optim import registry
 from megatron_mfsdp.optim.muon import NS_COEFFICIENTS, NS_DTYPES, NewtonSchulzCost, newton_schulz, scaled_update
 from megatron_mfsdp.placement import POLICIES
+from megatron_mfsdp.placement.rules import MATRIX
 from megatron_mfsdp.testing import count_collectives, run_workers
 from megatron_mfsdp.testing.baselines import MuonHyper, ReconstructionMuon, ReplicatedMuon
 
@@ -90,9 +92,8 @@ def _worker(rank, world, a):
     )
     model = build_gpt_model(config, vocab_size=a["vocab_size"], max_sequence_length=a["seq_length"])
     ns = NewtonSchulzCost(a["ns_steps"], a["ns_dtype"], "auto", on_cpu=True)
-    ddp = MatrixFSDP(
-        config, MatrixFSDPConfig(planner=a["planner"], muon_split_qkv=a["split_qkv"], newton_schulz=ns), model
-    )
+    rules = registry.muon_rule_set(ns, a["split_qkv"])
+    ddp = MatrixFSDP(config, MatrixFSDPConfig(planner=a["planner"], rules=rules), model)
     opt_cfg = MatrixFSDPOptimizerConfig(
         optimizer="muon",
         muon_momentum=0.95,
@@ -131,7 +132,7 @@ def _worker(rank, world, a):
         slots = {slot.name: slot for slot in state.layout.slots}
         for name, _ in state.unit.params:
             p, gr = full_params[name], full_grads[name]
-            if slots[name].rule == "muon":
+            if slots[name].rule == MATRIX:
                 matrices.append((name, tuple(p.shape), slots[name].split_rows, p, gr))
             else:
                 tail.append((name, 0.0 if no_weight_decay(name, p.shape) else hyper.wd, p, gr))

@@ -96,9 +96,11 @@ def split_qkv_owners(specs, mode: str, ns=None):
     """Specs with Q, K and V planned apart where ``mode`` allows (placement/blocks.py), each block
     costed by the Newton-Schulz run ``ns`` (muon.NewtonSchulzCost; the default run if None)."""
     from megatron_mfsdp.optim import registry
+    from megatron_mfsdp.optim.muon import NewtonSchulzCost
     from megatron_mfsdp.placement.blocks import split_qkv_blocks
 
-    return split_qkv_blocks(specs, mode, registry.rule_set([], ns=ns).cost)
+    rules = registry.muon_rule_set(ns or NewtonSchulzCost())
+    return split_qkv_blocks(specs, mode, rules.cost, rules.state_bytes)
 
 
 def old_auto(specs, world_size: int):

@@ -266,7 +266,9 @@ def unit_specs_for(shape: Shape, ns: NewtonSchulzCost = GPU_NS):
         final.append(par("output_layer.weight", s.vocab // t, s.hidden))
     units.append(ModelUnit("final", final, []))
     config = SimpleNamespace(num_attention_heads=s.heads, num_query_groups=s.groups, kv_channels=kv)
-    return unit_specs(units, MatrixFSDPConfig(newton_schulz=ns), GPT_ADAPTER, config)
+    from megatron_mfsdp.optim import registry
+
+    return unit_specs(units, MatrixFSDPConfig(rules=registry.muon_rule_set(ns)), GPT_ADAPTER, config)
 
 
 def ns_flops(shape, split_rows, ns: NewtonSchulzCost = GPU_NS) -> int:

@@ -13,11 +13,11 @@ from dataclasses import dataclass, field
 
 from megatron.core.optimizer import OptimizerConfig
 
-from .optim.muon import NS_ALGORITHMS, NS_COEFFICIENTS, NS_DTYPES, SCALE_MODES, NewtonSchulzCost
+from .optim.muon import NS_ALGORITHMS, NS_COEFFICIENTS, NS_DTYPES, SCALE_MODES
 from .optim.muon_tp import TP_MODES
 from .placement.blocks import MODES as QKV_OWNER_MODES
 from .placement.planner import POLICIES
-from .placement.rules import LAYOUTS
+from .placement.rules import LAYOUTS, MATRIX, RuleSet
 from .precision.fp8 import Fp8Config
 from .runtime.comm import REDUCE_ORDERS
 
@@ -44,19 +44,18 @@ class MatrixFSDPConfig:
     """'owner': each Muon matrix whole on one DP owner (communication-free step); 'even': ordinary
     ZeRO-3 even flat shards with reconstruction Muon (gathers each matrix per step: the baseline)."""
 
-    muon_split_qkv: bool = True
-    """Plan and update QKV matrices as separate Q, K, V blocks; must equal the optimizer config's."""
-
     split_qkv_owners: str = field(default="whole", metadata={"choices": QKV_OWNER_MODES})
     """'whole': a linear_qkv weight's Q, K and V on one owner; 'contiguous': each on an owner of its
     own where a TP shard holds one query group (so each is one row range); 'all': also where query
     groups interleave them (placement/blocks.py). Needs the QKV split (the blocks are updated apart
     anyway) and the owner layout, without FP8."""
 
-    newton_schulz: NewtonSchulzCost = field(default_factory=NewtonSchulzCost)
-    """The Newton-Schulz run (steps, dtype, algorithm) the planner costs each Muon matrix by; take it
-    from the optimizer config (``NewtonSchulzCost.of``), as pretrain_gpt.py does. Another value
-    changes only the balance of the plan, not the numbers."""
+    rules: RuleSet | None = None
+    """Placement's view of the update rules the optimizer will run (``optim.registry.rule_set``): each
+    role's and rule's storage, planner cost and state bytes, and whether Q, K and V are updated apart,
+    with the user's rules (``param_rules``) in it. None: Muon's with its defaults, the placement a
+    MatrixFSDP made without an optimizer config gets. pretrain_gpt.py builds it from the optimizer
+    config; another value changes only the plan's balance, never the numbers."""
 
     grad_reduce_in_fp32: bool = True
     """Reduce gradients in fp32 (else in the parameter dtype); the owner accumulates in fp32."""
@@ -106,20 +105,25 @@ class MatrixFSDPConfig:
         _check_choice(self.layout, LAYOUTS, "--mfsdp-layout", "layout")
         _check_choice(self.reduce_order, REDUCE_ORDERS, "--mfsdp-reduce-order", "reduce order")
         _check_choice(self.split_qkv_owners, QKV_OWNER_MODES, "--mfsdp-split-qkv-owners", "Q/K/V owner mode")
-        if self.split_qkv_owners != "whole":
-            flag = f"--mfsdp-split-qkv-owners {self.split_qkv_owners}"
-            if not self.muon_split_qkv:
-                raise ValueError(f"{flag} places Q, K and V apart, which --muon-no-split-qkv orthogonalizes together")
-            if self.layout != "owner":
-                raise ValueError(f"{flag} needs --mfsdp-layout owner (even shards have no owners)")
-            if self.fp8 is not None:
-                raise ValueError(f"{flag} does not support --fp8-param-gather (FP8 scales are per whole weight)")
         for rule in self.param_rules:
             if len(rule) != 2 or rule[1] not in registry.rule_names():
                 raise ValueError(
                     f"bad parameter rule {rule!r} (--mfsdp-param-rule): expected PATTERN=RULE "
                     f"with RULE one of {', '.join(registry.rule_names())}"
                 )
+        if self.rules is None:
+            self.rules = registry.rule_set(self.param_rules, None, self.layout)
+        if self.split_qkv_owners != "whole":
+            flag = f"--mfsdp-split-qkv-owners {self.split_qkv_owners}"
+            if not self.rules.splits_qkv(MATRIX):
+                raise ValueError(
+                    f"{flag} places Q, K and V apart, which the matrix rule updates whole "
+                    "(--muon-no-split-qkv orthogonalizes them together)"
+                )
+            if self.layout != "owner":
+                raise ValueError(f"{flag} needs --mfsdp-layout owner (even shards have no owners)")
+            if self.fp8 is not None:
+                raise ValueError(f"{flag} does not support --fp8-param-gather (FP8 scales are per whole weight)")
 
 
 @dataclass
@@ -127,7 +131,15 @@ class MatrixFSDPOptimizerConfig(OptimizerConfig):
     """megatron-core's ``OptimizerConfig`` (its defaults) plus the fields it lacks."""
 
     optimizer: str = "adam"
-    """'adam' (AdamW) everywhere, 'muon' on the model's hidden matrices with AdamW on the rest, or 'sgd'."""
+    """The rule of the model's hidden matrices (optim/registry.py): 'adam' (AdamW) or 'sgd' everywhere, or
+    a matrix optimizer ('muon', ...) on the matrices with an elementwise rule on the rest."""
+
+    muon_scalar_optimizer: str = field(default="adam", metadata={"choices": ("adam", "lion")})
+    """The rule of the elementwise parameters (norms, biases, embeddings) with --optimizer muon or
+    adaptive_muon (Megatron-LM HEAD's OptimizerConfig field)."""
+
+    rule_settings: dict = field(default_factory=dict)
+    """Each rule's own settings (its dataclass, filled from its flags), by rule name; defaults for the rest."""
 
     muon_scale_mode: str = field(default="spectral", metadata={"choices": SCALE_MODES})
     """Update scale: spectral sqrt(max(m,n)), shape_scaling sqrt(max(1,m/n)), unit_rms_norm sqrt(m/n)."""
@@ -154,6 +166,8 @@ class MatrixFSDPOptimizerConfig(OptimizerConfig):
         from .optim.muon import ns_coefficients_for
 
         _check_choice(self.optimizer, registry.optimizer_choices(), "--optimizer", "optimizer")
+        _check_choice(self.muon_scalar_optimizer, ("adam", "lion"), "--muon-scalar-optimizer", "scalar optimizer")
+        self.rule_settings = {**registry.settings_defaults(), **self.rule_settings}
         _check_choice(self.muon_ns_dtype, tuple(NS_DTYPES), "--muon-ns-dtype", "Newton-Schulz dtype")
         _check_choice(self.muon_ns_algorithm, NS_ALGORITHMS, "--muon-ns-algorithm", "Newton-Schulz algorithm")
         _check_choice(self.muon_scale_mode, SCALE_MODES, "--muon-scale-mode", "Muon scale mode")

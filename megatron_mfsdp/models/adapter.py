@@ -1,7 +1,7 @@
 """What the runtime needs to know of a model, in one small interface.
 
 A model adapter tells how a model chunk splits into units (the pieces gathered and
-released together), which update rule its parameter names get by default, which
+released together), which role its parameters play (a hidden matrix, or elementwise), which
 matrices are updated as several blocks (QKV), and each parameter's global name
 (its name in the unsplit 1 x 1 x 1 model, the key of optimizer state and checkpoints).
 """
@@ -31,7 +31,7 @@ class ModelAdapter(Protocol):
 
     def units(self, module: torch.nn.Module) -> list[ModelUnit]: ...
 
-    def param_rules(self, matrix_rule: str) -> list[tuple[str, str]]: ...
+    def param_roles(self) -> list[tuple[str, str]]: ...
 
     def split_rows(self, name: str, config) -> tuple[int, ...] | None: ...
 

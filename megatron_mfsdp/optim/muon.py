@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from ..placement.rules import WHOLE
-from .rule import OwnedPiece, StepContext, UpdateRule
+from .rule import CostContext, OwnedPiece, StepContext, UpdateRule
 
 Coefficients = tuple[float, float, float]
 
@@ -664,12 +664,30 @@ def step_per_matrix(pieces: Sequence[OwnedPiece], ctx: StepContext) -> None:
         muon_step_(p.master, p.grad, p.state["momentum_buffer"], qkv_split_shapes=p.split_rows, **kwargs)
 
 
+def rule_cost(shape: Sequence[int], split_rows: Sequence[int] | None, context: CostContext) -> int:
+    """The planner's cost of a Muon matrix: the multiply-adds of the Newton-Schulz run the optimizer
+    config asks for, on the machine that steps (:class:`NewtonSchulzCost`)."""
+    return newton_schulz_cost(shape, split_rows, NewtonSchulzCost.of(context.config, context.on_cpu))
+
+
+def splits_qkv(config) -> bool:
+    """--muon-split-qkv (megatron-core's muon_split_qkv): Q, K and V orthogonalized apart."""
+    return bool(config.muon_split_qkv)
+
+
+def scalar_rule(config) -> str:
+    """The rule of the elementwise parameters: --muon-scalar-optimizer (Megatron-LM HEAD), adam or lion."""
+    return {"adam": "adamw"}.get(config.muon_scalar_optimizer, config.muon_scalar_optimizer)
+
+
 RULE = UpdateRule(
     name="muon",
     storage=WHOLE,
     state=("momentum_buffer",),
     step=step,
-    cost=newton_schulz_cost,
+    cost=rule_cost,
     optimizer="muon",
+    elementwise=scalar_rule,
+    splits_qkv=splits_qkv,
     tp_variant="muon_tp",
 )

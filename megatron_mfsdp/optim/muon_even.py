@@ -19,7 +19,7 @@ from torch import Tensor
 
 from ..groups import group_rank, group_size
 from ..placement.rules import SLICE
-from .muon import apply_update_, momentum_direction_, scaled_update, step_kwargs
+from .muon import apply_update_, momentum_direction_, scaled_update, splits_qkv, step_kwargs
 from .rule import GroupMatrix, OwnedPiece, StepContext, UpdateRule
 
 
@@ -53,7 +53,7 @@ def step(pieces: Sequence[OwnedPiece], ctx: StepContext) -> None:
     if len(local) != len(pieces):
         raise ValueError("muon_even: a rank holds two slices of one parameter; the layout is not even ZeRO-3")
     rank = group_rank(ctx.dp_group)
-    device = pieces[0].master.device if pieces else _group_device(ctx.dp_group)
+    device = pieces[0].master.device if pieces else group_device(ctx.dp_group)
     for m in ctx.matrices:
         _check(m, group_size(ctx.dp_group))
         piece = local.get(m.global_name)
@@ -64,7 +64,7 @@ def step(pieces: Sequence[OwnedPiece], ctx: StepContext) -> None:
             apply_update_(piece.master, mine, alpha, lr, weight_decay)
 
 
-def _group_device(group) -> torch.device:
+def group_device(group) -> torch.device:
     """Where a rank that holds no slice makes its empty send buffer: NCCL needs a CUDA tensor."""
     if group is not None and dist.get_backend(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
@@ -85,5 +85,6 @@ RULE = UpdateRule(
     state=("momentum_buffer",),
     step=step,
     even_layout_of="muon",
+    splits_qkv=splits_qkv,
     collective=True,
 )

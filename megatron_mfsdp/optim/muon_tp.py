@@ -25,17 +25,18 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..compat.collectives import all_gather_single
 from ..placement.rules import WHOLE
+from .matrix import gather_over_tp
 from .muon import (
     apply_update_,
     merge_qkv,
     momentum_direction_,
     muon_step_,
-    newton_schulz_cost,
     ns_coefficients_for,
+    rule_cost,
     scaled_update,
     split_qkv,
+    splits_qkv,
     step_kwargs,
     update_scale,
 )
@@ -48,13 +49,6 @@ def _full_shape(local: Sequence[int], dim: int, tp_size: int):
     shape = list(local)
     shape[dim] *= tp_size
     return tuple(shape)
-
-
-def _all_gather_along(x: Tensor, dim: int, group) -> Tensor:
-    world = dist.get_world_size(group)
-    out = torch.empty(world * x.numel(), dtype=x.dtype, device=x.device)
-    all_gather_single(out, x.contiguous().view(-1), group=group)
-    return torch.cat(list(out.view((world,) + tuple(x.shape)).unbind(0)), dim=dim)
 
 
 def distributed_newton_schulz(
@@ -132,7 +126,7 @@ def tp_muon_step_(
     direction = momentum_direction_(grad, momentum_buffer, momentum, nesterov)
     if mode == "duplicated":
         # The same op order as muon_step_ on the full matrix, then keep our slice.
-        update_full, alpha = scaled_update(_all_gather_along(direction, partition_dim, tp_group), lr, **kwargs)
+        update_full, alpha = scaled_update(gather_over_tp(direction, partition_dim, tp_group), lr, **kwargs)
         update = update_full.chunk(tp_size, dim=partition_dim)[dist.get_rank(tp_group)]
     else:
         update, alpha = _distributed_update(direction, partition_dim, tp_group, tp_size, **kwargs), -lr
@@ -190,5 +184,11 @@ def check(piece: OwnedPiece, cfg) -> None:
 
 
 RULE = UpdateRule(
-    name="muon_tp", storage=WHOLE, state=("momentum_buffer",), step=step, cost=newton_schulz_cost, check=check
+    name="muon_tp",
+    storage=WHOLE,
+    state=("momentum_buffer",),
+    step=step,
+    cost=rule_cost,
+    check=check,
+    splits_qkv=splits_qkv,
 )

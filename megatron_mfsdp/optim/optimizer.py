@@ -21,11 +21,11 @@ from megatron.core.optimizer import MegatronOptimizer, OptimizerConfig
 
 from ..compat.cpu import cuda_on_cpu
 from ..groups import group_rank, group_size
-from ..placement.rules import WHOLE
+from ..placement.rules import MATRIX, WHOLE
 from ..precision import new_fp8_state, quantization_error
 from ..profiling import OPTIMIZER_STEP, RULE, profile_range
 from . import registry
-from .rule import GroupMatrix, OwnedPiece, StepContext, UpdateRule
+from .rule import GroupMatrix, OwnedPiece, StepContext, UpdateRule, never
 
 
 class _ShardOptimizerState:
@@ -87,7 +87,7 @@ class MatrixFSDPOptimizer(MegatronOptimizer):
     def __init__(self, config: OptimizerConfig, model_chunks: list):
         """``config`` is a MatrixFSDPOptimizerConfig (megatron's OptimizerConfig plus ours)."""
         self.model_chunks = model_chunks
-        self.config_optimizer = config.optimizer
+        self._config = config  # the rules read it before MegatronOptimizer keeps it as self.config
         groups = model_chunks[0].groups
         # Norms and inf checks span every rank that holds distinct gradient elements
         # (DP shards, TP, PP); duplicates are excluded per piece.
@@ -113,7 +113,7 @@ class MatrixFSDPOptimizer(MegatronOptimizer):
 
     # ------------------------------------------------------------- set-up
     def _rule_of(self, slot, param) -> UpdateRule:
-        rule = registry.resolve(slot.rule, self.config_optimizer)
+        rule = registry.rule_for(slot.rule, slot.storage, self._config)
         if rule.tp_variant and group_size(self.tp_group) > 1 and getattr(param, "tensor_model_parallel", False):
             return registry.get(rule.tp_variant)
         return rule
@@ -166,7 +166,7 @@ class MatrixFSDPOptimizer(MegatronOptimizer):
         return list(members.values())
 
     def _add_pieces(self, config, chunk, param_groups) -> None:
-        tp_rank = group_rank(self.tp_group)
+        tp_rank, shard_rank = group_rank(self.tp_group), group_rank(chunk.groups.dp_shard)
         primary_replica = group_rank(chunk.groups.replica) == 0
         for unit in chunk.units:
             master = self._seed_master(unit, chunk)
@@ -176,6 +176,7 @@ class MatrixFSDPOptimizer(MegatronOptimizer):
                 seg = slice(piece.segment_offset, piece.segment_offset + piece.numel)
                 shape = slot.shape if rule.storage == WHOLE else (piece.numel,)
                 tp_split = bool(getattr(param, "tensor_model_parallel", False))
+                tp = (group_size(self.tp_group), tp_rank) if tp_split else (1, 0)
                 owned = OwnedPiece(
                     slot.name,
                     chunk.global_names[slot.param_name],
@@ -184,11 +185,16 @@ class MatrixFSDPOptimizer(MegatronOptimizer):
                     piece.param_offset,
                     master[seg].view(shape),
                     unit.grad_segment[seg].view(shape),
-                    split_rows=slot.split_rows,
+                    split_rows=slot.split_rows if rule.splits_qkv(config) else None,
                     partition_dim=getattr(param, "partition_dim", 0) if tp_split else None,
                     in_grad_norm=primary_replica and (tp_split or tp_rank == 0) and not getattr(param, "shared", False),
+                    tp_size=tp[0],
+                    tp_rank=tp[1],
+                    state_over_tp=tp_split and tp[0] > 1 and rule.state_over_tp(config),
+                    param_shape=tuple(slot.shape),
+                    state_replica=_state_replica(unit.layout.param_bounds(slot), shard_rank),
                 )
-                owned.state = {name: torch.zeros_like(owned.master) for name in rule.state}
+                owned.state = rule.init_state(owned, registry.settings_of(rule, config))
                 if rule.check is not None:
                     rule.check(owned, config)
                 param_groups[self._group_key(config, slot, param)]["params"].append(owned)
@@ -344,6 +350,7 @@ class MatrixFSDPOptimizer(MegatronOptimizer):
                 ctx = StepContext(
                     self.config, self.step_count, group["lr"], group["weight_decay"], self.tp_group, dp_group, matrices
                 )
+                ctx.settings = registry.settings_of(rule, self.config)
                 with profile_range(RULE.format(rule.name)):
                     rule.step(group["params"], ctx)
         self._sync_model_from_masters(after_step=True, before=before)
@@ -428,8 +435,30 @@ class MatrixFSDPOptimizer(MegatronOptimizer):
                 self.grad_scaler.load_state_dict(state_dict["grad_scaler"])
 
     def _state_tensors(self, owned: OwnedPiece):
-        """(megatron's state name, tensor): the master is DistributedOptimizer's ``param``."""
-        return [("param", owned.master)] + sorted(owned.state.items())
+        """(megatron's state name, tensor) of what a checkpoint splits like the parameter: the master
+        (DistributedOptimizer's ``param``) and the rule's elementwise state."""
+        rule = registry.get(owned.rule)
+        return [("param", owned.master)] + sorted((k, v) for k, v in owned.state.items() if rule.resharded(k))
+
+    def _matrix_states(self):
+        """(key, tensor, replica id) of every state tensor a rule keeps of a whole matrix (factors,
+        eigenbases, moments in a rotated basis), saved whole under its matrix's global name: any DP or PP
+        layout reads it. State of a TP shard (blockwise) carries the TP size and rank in its key (it
+        means nothing at another TP size); state of the whole TP-split matrix (an exact TP mode) is
+        saved once, by TP rank 0."""
+        for _, owned in self._pieces():
+            rule = registry.get(owned.rule)
+            chunk = next(c for c in self.model_chunks if owned.global_name in c.global_names.values())
+            replica = group_rank(chunk.groups.replica)
+            for tag, tensor in sorted(owned.state.items()):
+                if rule.resharded(tag):
+                    continue
+                name, tp = owned.key.rsplit("@", 1)[0], 0
+                if owned.tp_size > 1 and owned.state_over_tp:
+                    tp = owned.tp_rank  # the whole matrix's state: the same on every TP rank
+                elif owned.tp_size > 1:
+                    name += f".tp{owned.tp_size}_{owned.tp_rank}"
+                yield f"optimizer.state.{tag}.{name}", tensor, (owned.state_replica, tp, replica)
 
     def _sharded_groups(self) -> dict[tuple[int, str], dict[str, torch.Tensor]]:
         """(chunk index, state name) -> {slot name (the local parameter name, NAME[q] for a block):
@@ -460,6 +489,8 @@ class MatrixFSDPOptimizer(MegatronOptimizer):
             name = key.rsplit("@", 1)[0]
             for tag, tensor in sorted(st.items()):
                 sharded[f"fp8_{tag}.{key}"] = ShardedTensor.from_rank_offsets(f"optimizer.fp8_{tag}.{name}", tensor)
+        for key, tensor, replica_id in self._matrix_states():
+            sharded[f"matrix.{key}"] = ShardedTensor.from_rank_offsets(key, tensor, replica_id=replica_id)
         return sharded
 
     @torch.no_grad()
@@ -477,6 +508,10 @@ class MatrixFSDPOptimizer(MegatronOptimizer):
                 value = loaded[f"fp8_{tag}.{key}"]
                 if value.data_ptr() != tensor.data_ptr():
                     tensor.copy_(value)
+        for key, tensor, _ in self._matrix_states():
+            value = loaded[f"matrix.{key}"]
+            if value.data_ptr() != tensor.data_ptr():
+                tensor.copy_(value)
         self._sync_model_from_masters()
 
     def common_state_dict(self) -> dict:
@@ -507,12 +542,25 @@ class MatrixFSDPOptimizer(MegatronOptimizer):
         return {"masters": masters, "optimizer_state": states}
 
 
+def _state_replica(bounds, rank: int) -> int:
+    """0 on the first rank that holds part of a parameter, 1 on the others: of the copies of a whole
+    matrix's state an even layout keeps on every holder, the first rank's is saved."""
+    first = next(r for r in range(len(bounds) - 1) if bounds[r + 1] > bounds[r])
+    return int(rank != first)
+
+
 def get_megatron_optimizer(config: OptimizerConfig, model_chunks: list) -> MatrixFSDPOptimizer:
     """Mirror of megatron-core's ``get_megatron_optimizer(config, model_chunks)`` for
     MatrixFSDP-wrapped chunks."""
+    matrix_rule = registry.optimizer_rule(config.optimizer)
     for chunk in model_chunks:
         if not hasattr(chunk, "plan") or not hasattr(chunk, "units"):
             raise TypeError(f"model chunk {type(chunk).__name__} is not wrapped in MatrixFSDP")
-        if chunk.ddp_config.muon_split_qkv != config.muon_split_qkv:
-            raise ValueError("--muon-split-qkv must be the same for the planner and the optimizer")
+        planned = chunk.ddp_config.rules.splits_qkv(MATRIX)
+        if matrix_rule.splits_qkv is not never and planned != matrix_rule.splits_qkv(config):
+            raise ValueError(
+                f"--optimizer {config.optimizer} updates Q, K and V {'apart' if not planned else 'together'} "
+                "(--muon-split-qkv), but MatrixFSDP planned them the other way: build its rules from this config "
+                "(MatrixFSDPConfig(rules=registry.rule_set(..., config)))"
+            )
     return MatrixFSDPOptimizer(config, model_chunks)

@@ -1,22 +1,43 @@
 """The update rules, one entry each. Adding an optimizer is one file that defines a
 ``RULE`` (see rule.py and CONTRIBUTING.md) plus its entry in ``_ENTRIES``.
 
-The optimizer shell, placement and the command line read everything from here:
-the shell loops over rules by name, placement takes each rule's storage and cost,
-``--optimizer`` and ``--mfsdp-param-rule`` take their choices from the names.
+The optimizer shell, placement and the command line read everything from here. A model tags
+its parameters by role (placement/rules.py: MATRIX, ELEMENTWISE); ``--optimizer`` names the
+rule of the matrices (the rule that declares ``optimizer=``), and that rule names the rule of
+the elementwise parameters (its ``elementwise``; an elementwise optimizer runs on both).
+``--mfsdp-param-rule`` names rules directly. Placement takes each rule's storage, cost and state
+bytes (:func:`rule_set`); the command line takes ``--optimizer``'s choices and each rule's
+settings (its flags) from here.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Sequence
 
-from ..placement.rules import LAYOUTS, SLICE, WHOLE, RuleKind, RuleSet
+from ..placement.rules import ELEMENTWISE, LAYOUTS, MATRIX, ROLES, SLICE, WHOLE, RuleKind, RuleSet
 from . import adamw, muon, muon_even, muon_tp, sgd
-from .rule import UpdateRule
+from .rule import CostContext, UpdateRule
 
 _ENTRIES: tuple[UpdateRule, ...] = (muon.RULE, muon_tp.RULE, adamw.RULE, sgd.RULE, muon_even.RULE)
-RULES: dict[str, UpdateRule] = {rule.name: rule for rule in _ENTRIES}
+RULES: dict[str, UpdateRule] = {}
+
+
+def register(rule: UpdateRule) -> None:
+    """Add a rule (and its even variant) from outside the package, a plug-in's or a test's: the same as
+    an entry in ``_ENTRIES``, for this process. A name already taken is refused."""
+    global _ENTRIES
+    for r in (rule,) + ((rule.even,) if rule.even is not None else ()):
+        if r.name in RULES:
+            raise ValueError(f"update rule {r.name!r} is already registered")
+        RULES[r.name] = r
+    if not any(r is rule for r in _ENTRIES):
+        _ENTRIES = _ENTRIES + (rule,)
+
+
+for _rule in _ENTRIES:
+    register(_rule)
 
 
 def get(name: str) -> UpdateRule:
@@ -40,25 +61,35 @@ def rule_names() -> list[str]:
     return list(RULES)
 
 
-PLACEMENT_MATRIX_RULE = "muon"
-"""Placement stores the model's hidden matrices under this rule (whole, on one owner) whatever
-the optimizer, so a layout and its checkpoints do not depend on --optimizer."""
-
-
-def matrix_rule(optimizer: str) -> str:
-    """The rule that --optimizer OPTIMIZER applies to the model's hidden matrices."""
+def optimizer_rule(optimizer: str) -> UpdateRule:
+    """The rule --optimizer OPTIMIZER runs on the model's matrices."""
     for rule in _ENTRIES:
         if rule.optimizer == optimizer:
-            return rule.name
+            return rule
     raise ValueError(f"unknown optimizer {optimizer!r} (--optimizer); choose one of {', '.join(optimizer_choices())}")
 
 
-def resolve(slot_rule: str, optimizer: str) -> UpdateRule:
-    """The update rule of a piece placed under ``slot_rule`` when training with ``optimizer``: an
-    elementwise optimizer (adam, sgd) runs everywhere; a matrix optimizer (muon) keeps placement's
-    rules (muon on the hidden matrices, adamw on the rest, and the user's --mfsdp-param-rule)."""
-    main = get(matrix_rule(optimizer))
-    return main if main.storage == SLICE else get(slot_rule)
+def elementwise_rule(config) -> UpdateRule:
+    """The rule of the elementwise parameters under ``config.optimizer``: that rule itself when it is
+    elementwise, else the one it names (e.g. --muon-scalar-optimizer)."""
+    main = optimizer_rule(config.optimizer)
+    if main.storage == SLICE:
+        return main
+    named = main.elementwise(config) if callable(main.elementwise) else main.elementwise
+    return get(named or adamw.RULE.name)
+
+
+def rule_for(placed: str, storage: str, config) -> UpdateRule:
+    """The update rule of a piece placed under ``placed`` (a role or a rule name) as ``storage`` when
+    training with ``config``: a role takes --optimizer's rule for it; a WHOLE rule on an even slice
+    (--mfsdp-layout even) takes its even variant."""
+    if placed == MATRIX:
+        rule = optimizer_rule(config.optimizer)
+    elif placed == ELEMENTWISE:
+        rule = elementwise_rule(config)
+    else:
+        rule = get(placed)
+    return get(even_variant(rule.name)) if storage == SLICE and rule.storage == WHOLE else rule
 
 
 def even_variant(name: str) -> str:
@@ -66,22 +97,93 @@ def even_variant(name: str) -> str:
     is replaced by the rule that declares ``even_layout_of=name``."""
     if get(name).storage != WHOLE:
         return name
+    if get(name).even is not None:
+        return get(name).even.name
     for rule in _ENTRIES:
         if rule.even_layout_of == name:
             return rule.name
-    raise ValueError(f"update rule {name!r} has no even-shard variant; --mfsdp-layout even cannot place it")
+    raise ValueError(
+        f"update rule {name!r} has no even-shard variant: --mfsdp-layout even (ZeRO-3 with reconstruction) "
+        f"cannot place it; use --mfsdp-layout owner"
+    )
+
+
+def settings_defaults() -> dict[str, object]:
+    """Each rule's settings with their defaults (the rules that have settings)."""
+    return {rule.name: rule.settings() for rule in _ENTRIES if rule.settings is not None}
+
+
+def settings_of(rule: UpdateRule, config):
+    """The rule's settings in ``config`` (a MatrixFSDPOptimizerConfig), its defaults if absent."""
+    if rule.family is not None:
+        rule = get(rule.family)
+    if rule.settings is None:
+        return None
+    return getattr(config, "rule_settings", {}).get(rule.name) or rule.settings()
+
+
+def settings_from_args(args) -> dict[str, object]:
+    """Each rule's settings from parsed flags of its fields' names (the dests of their flags)."""
+    out = {}
+    for rule in _ENTRIES:
+        if rule.settings is not None:
+            fields = dataclasses.fields(rule.settings)
+            out[rule.name] = rule.settings(**{f.name: getattr(args, f.name) for f in fields if hasattr(args, f.name)})
+    return out
+
+
+def _kind(rule: UpdateRule, storage: str, config, context: CostContext) -> RuleKind:
+    return RuleKind(
+        storage,
+        functools.partial(_cost, rule, context),
+        functools.partial(rule.resident_bytes, context=context),
+        bool(rule.splits_qkv(config)),
+    )
+
+
+def _cost(rule: UpdateRule, context: CostContext, shape, split_rows=None) -> int:
+    return rule.cost(shape, split_rows, context)
 
 
 def rule_set(
-    rules: Sequence[tuple[str, str]], layout: str = "owner", ns: muon.NewtonSchulzCost | None = None
+    rules: Sequence[tuple[str, str]] = (), config=None, layout: str = "owner", on_cpu: bool = False
 ) -> RuleSet:
-    """Placement's view of a rule list: each named rule's storage and cost (Muon's by the
-    Newton-Schulz run ``ns``, the default settings if None). With layout 'even' every WHOLE
-    rule is replaced by its even variant, so every parameter is an even SLICE."""
-    ns = ns or muon.NewtonSchulzCost()
+    """Placement's view of a user rule list (``(pattern, rule name)``) for training with ``config`` (a
+    MatrixFSDPOptimizerConfig; None: Muon with its defaults, the placement MatrixFSDP makes without one):
+    every role's and rule's storage, planner cost and state bytes. With layout 'even' every WHOLE rule is
+    replaced by its even variant, so every parameter is an even SLICE. A model's roles are appended by
+    the runtime (``RuleSet.extended``)."""
+    if config is None:
+        from ..config import MatrixFSDPOptimizerConfig
+
+        config = MatrixFSDPOptimizerConfig(optimizer=muon.RULE.optimizer)
     if layout not in LAYOUTS:
         raise ValueError(f"unknown layout {layout!r} (--mfsdp-layout); choose one of {', '.join(LAYOUTS)}")
-    if layout == "even":
-        rules = [(pattern, even_variant(name) if name in RULES else name) for pattern, name in rules]
-    kinds = {name: RuleKind(rule.storage, functools.partial(rule.cost, ns=ns)) for name, rule in RULES.items()}
+    context, named = CostContext(config, on_cpu), {name for _, name in rules}
+    kinds = {}
+    for placed in ROLES + tuple(RULES):
+        rule = rule_for(placed, WHOLE, config)
+        if placed == MATRIX and rule.storage != WHOLE:
+            rule = muon.RULE  # hidden matrices stay whole (planned as Muon's) whatever the optimizer, as before
+        storage = SLICE if layout == "even" else rule.storage
+        try:
+            kinds[placed] = _kind(rule_for(rule.name, storage, config), storage, config, context)
+        except ValueError:  # a WHOLE rule with no even variant: refused if this run would place anything under it
+            if placed == MATRIX or placed in named:
+                raise
     return RuleSet(tuple(rules), kinds)
+
+
+def muon_rule_set(ns, split_qkv: bool = True, rules: Sequence[tuple[str, str]] = (), layout: str = "owner") -> RuleSet:
+    """:func:`rule_set` for Muon with the Newton-Schulz run ``ns`` (a muon.NewtonSchulzCost): what the planner
+    benchmarks and the scaling model plan with."""
+    from ..config import MatrixFSDPOptimizerConfig
+
+    config = MatrixFSDPOptimizerConfig(
+        optimizer=muon.RULE.optimizer,
+        muon_num_ns_steps=ns.steps,
+        muon_ns_dtype=ns.dtype,
+        muon_ns_algorithm=ns.algorithm,
+        muon_split_qkv=split_qkv,
+    )
+    return rule_set(rules, config, layout, ns.on_cpu)

@@ -39,11 +39,15 @@ def query_groups(p: ParamSpec) -> int:
 
 
 def split_qkv_blocks(
-    units: Sequence[UnitSpec], mode: str, cost: Callable[[str, tuple[int, ...]], int]
+    units: Sequence[UnitSpec],
+    mode: str,
+    cost: Callable[[str, tuple[int, ...]], int],
+    state_bytes: Callable[[str, tuple[int, ...]], int] | None = None,
 ) -> list[UnitSpec]:
     """``units`` with each split linear_qkv replaced by WHOLE specs ``NAME[q]``, ``NAME[k]``,
-    ``NAME[v]`` of (groups x rows, columns), where ``mode`` allows; ``cost(rule, shape)`` is
-    the rule's planner cost of one block (the registry's). Totals of cost and elements stay.
+    ``NAME[v]`` of (groups x rows, columns), where ``mode`` allows; ``cost(rule, shape)`` and
+    ``state_bytes(rule, shape)`` are the rule's planner cost and resident state of one block (the
+    registry's). Totals of cost and elements stay.
     A block is its rows of every query group: runs of ``param_run`` elements, ``param_stride``
     apart, from ``param_start`` (one run where a shard holds one group)."""
     if mode not in MODES:
@@ -60,9 +64,12 @@ def split_qkv_blocks(
             for block, rows in zip(BLOCK_NAMES, p.split_rows):
                 shape = (groups * rows, cols)
                 runs = (first_row * cols, rows * cols, period)  # its rows in each query group
-                params.append(
-                    ParamSpec(f"{p.name}[{block}]", shape, p.rule, WHOLE, cost(p.rule, shape), (rows,), p.name, *runs)
+                held = state_bytes(p.rule, shape) if state_bytes else 0
+                spec = ParamSpec(
+                    f"{p.name}[{block}]", shape, p.rule, WHOLE, cost(p.rule, shape), (rows,), p.name, *runs
                 )
+                spec.state_bytes = held
+                params.append(spec)
                 first_row += rows
         out.append(UnitSpec(unit.name, params))
     return out

@@ -49,11 +49,11 @@ def plan_bounds(units: Sequence[UnitSpec], world_size: int) -> PlanBounds:
     params = [p for u in units for p in u.params]
     matrices = [p for p in params if p.storage == WHOLE]
     total_cost = sum(p.cost for p in matrices)
-    total_elements = sum(p.numel for p in params)
+    total_elements = sum(p.weight if p.storage == WHOLE else p.numel for p in params)
     ns = max_load_bound([p.cost for p in matrices], world_size) * world_size / total_cost if total_cost else 1.0
     least_tail = sum(sum(p.numel for p in u.params if p.storage != WHOLE) // world_size for u in units)
     elements = max(
-        -(-total_elements // world_size), max_load_bound([p.numel for p in matrices], world_size) + least_tail
+        -(-total_elements // world_size), max_load_bound([p.weight for p in matrices], world_size) + least_tail
     )
     nbytes = elements * world_size / total_elements if total_elements else 1.0
     return PlanBounds(bytes=nbytes, ns_flops=ns)

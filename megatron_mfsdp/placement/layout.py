@@ -19,7 +19,7 @@ import json
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
-from .rules import WHOLE
+from .rules import ELEMENTWISE, MATRIX, WHOLE
 
 
 @dataclass
@@ -36,6 +36,7 @@ class ParamSpec:
     param_start: int = 0  # the block's first element in the flattened parameter
     param_run: int = 0  # a block is runs of this many elements of the flattened parameter ...
     param_stride: int = 0  # ... whose starts lie this many elements apart (a query group's rows)
+    state_bytes: int = 0  # resident optimizer state of its rule (planner memory, with the elements)
 
     @property
     def param_name(self) -> str:
@@ -47,6 +48,13 @@ class ParamSpec:
         for s in self.shape:
             n *= s
         return n
+
+    @property
+    def weight(self) -> int:
+        """What the planner balances as memory: the elements, plus the state its rule keeps beyond two
+        fp32 words per element (AdamW's moments; Muon keeps one), counted in elements. Muon's and AdamW's
+        plans stay what they were by elements; a rule with factors (SOAP, Shampoo) weighs them in."""
+        return self.numel + max(0, self.state_bytes - 8 * self.numel) // 4
 
 
 @dataclass
@@ -159,6 +167,7 @@ class Plan:
     units: list[UnitLayout]
     cost_per_rank: list[int]  # planner cost (NS multiply-adds per optimizer step) of each rank's matrices
     element_size: int = 4
+    extra_per_rank: list[int] | None = None  # matrices' state beyond one fp32 word per element, in elements
 
     def digest(self) -> str:
         """A hash of everything that decides the layout; equal on every rank or training is wrong."""
@@ -167,8 +176,14 @@ class Plan:
             for slot in unit["slots"]:
                 if slot["param"] is None:
                     del slot["param"], slot["param_start"], slot["param_run"], slot["param_stride"]
+                slot["rule"] = legacy_rule_name(slot["rule"], slot["storage"])
         payload = json.dumps({"world_size": self.world_size, "units": units}, sort_keys=True)
         return hashlib.sha256(payload.encode()).hexdigest()
+
+    def per_rank_weight(self) -> list[int]:
+        """Per rank, what the planner balances as memory: owned elements plus extra state (ParamSpec.weight)."""
+        elements, _ = self.per_rank_load()
+        return [e + x for e, x in zip(elements, self.extra_per_rank or [0] * self.world_size)]
 
     def per_rank_load(self) -> tuple[list[int], list[int]]:
         """(owned elements, planner cost) per rank."""
@@ -250,6 +265,15 @@ def load_histogram(label: str, values: Sequence[float]) -> str:
     )
 
 
+def legacy_rule_name(rule: str, storage: str) -> str:
+    """Before roles, placement tagged a model's matrices with the rule 'muon' ('muon_even' as even
+    slices) and everything else with 'adamw'; digests hash these names so that a plan made then and
+    now digests alike (--ckpt-format torch checkpoints compare digests)."""
+    if rule == MATRIX:
+        return "muon" if storage == WHOLE else "muon_even"
+    return "adamw" if rule == ELEMENTWISE else rule
+
+
 def balance(values: Sequence[float]) -> float:
     """max/mean; 1.0 is perfect. Defined as 1.0 when everything is zero."""
     mean = sum(values) / len(values)
@@ -273,7 +297,7 @@ def _slot(p: ParamSpec, offset: int, owner: int) -> ParamSlot:
 def layout_units(units: Sequence[UnitSpec], world_size: int, owners: dict[str, int], policy: str) -> Plan:
     """Lay out every unit given the owner of each WHOLE parameter."""
     layouts = []
-    cost = [0] * world_size
+    cost, extra = [0] * world_size, [0] * world_size
     for index, unit in enumerate(units):
         matrices = [p for p in unit.params if p.storage == WHOLE]
         tail = [p for p in unit.params if p.storage != WHOLE]
@@ -284,6 +308,7 @@ def layout_units(units: Sequence[UnitSpec], world_size: int, owners: dict[str, i
                     slots.append(_slot(p, offset, r))
                     offset += p.numel
                     cost[r] += p.cost
+                    extra[r] += p.weight - p.numel
             bounds.append(offset)
         matrix_numel = offset
         for p in tail:
@@ -302,4 +327,4 @@ def layout_units(units: Sequence[UnitSpec], world_size: int, owners: dict[str, i
                 even_bounds(tail_numel, world_size),
             )
         )
-    return Plan(world_size, policy, layouts, cost)
+    return Plan(world_size, policy, layouts, cost, extra_per_rank=extra)

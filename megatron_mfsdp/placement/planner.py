@@ -38,16 +38,16 @@ def _assign_owners(
     total_bytes: float,
 ) -> dict[str, int]:
     owners = {}
-    order = sorted(matrices, key=lambda p: (-p.cost, -p.numel, p.name))
+    order = sorted(matrices, key=lambda p: (-p.cost, -p.weight, p.name))
     for p in order:
 
         def score(r, p=p):
-            return (cost_load[r] + p.cost) / max(total_cost, 1) + (bytes_load[r] + p.numel) / max(total_bytes, 1)
+            return (cost_load[r] + p.cost) / max(total_cost, 1) + (bytes_load[r] + p.weight) / max(total_bytes, 1)
 
         r = min(range(world_size), key=lambda r: (score(r), r))
         owners[p.name] = r
         cost_load[r] += p.cost
-        bytes_load[r] += p.numel
+        bytes_load[r] += p.weight
     return owners
 
 
@@ -56,7 +56,7 @@ def constructive_owners(units: Sequence[UnitSpec], world_size: int, policy: str)
     all_params = [p for u in units for p in u.params]
     matrices = [p for p in all_params if p.storage == WHOLE]
     tail_total = sum(p.numel for p in all_params if p.storage != WHOLE)
-    totals = (sum(p.cost for p in matrices), sum(p.numel for p in all_params))
+    totals = (sum(p.cost for p in matrices), sum(p.weight for p in matrices) + tail_total)
     cost_load = [0.0] * world_size
     bytes_load = [tail_total / world_size] * world_size
     owners: dict[str, int] = {}
@@ -77,9 +77,10 @@ def searched_owners(units: Sequence[UnitSpec], world_size: int, owners: dict[str
 
 
 def plan_key(plan: Plan) -> tuple[int, ...]:
-    """A plan's per-rank shares, max(cost / mean cost, elements / mean elements), sorted
-    worst first and scaled to integers: smaller (lexicographically) is better."""
-    elements, costs = plan.per_rank_load()
+    """A plan's per-rank shares, max(cost / mean cost, weight / mean weight), sorted worst first and
+    scaled to integers: smaller (lexicographically) is better. A rank's weight is its elements plus its
+    matrices' extra state (``ParamSpec.weight``)."""
+    elements, costs = plan.per_rank_weight(), plan.cost_per_rank
     total_elements, total_cost = sum(elements), sum(costs)
     if total_cost == 0:
         return tuple(sorted(elements, reverse=True))

@@ -56,7 +56,8 @@ class OwnerSearch:
     """Search state: each rank's matrices by class, and its configuration.
 
     Loads are kept as integer points (x, y): x = W * cost * E and
-    y = (W * elements + tail) * C for totals C (cost) and E (elements), so that
+    y = (W * elements + tail) * C for totals C (cost) and E (elements: a matrix's
+    ``ParamSpec.weight``, its elements plus its rule's extra state), so that
     max(x, y) is the share times C * E. ``owners`` maps every matrix name to its
     starting rank; :meth:`improve` searches, :meth:`owners` gives the result.
     """
@@ -64,10 +65,10 @@ class OwnerSearch:
     def __init__(
         self, matrices: Sequence[ParamSpec], world_size: int, tail_elements: int, owners: Mapping[str, int]
     ) -> None:
-        classes = sorted({(p.cost, p.numel) for p in matrices}, reverse=True)
+        classes = sorted({(p.cost, p.weight) for p in matrices}, reverse=True)
         index = {key: k for k, key in enumerate(classes)}
         total_cost = sum(p.cost for p in matrices)
-        total_elements = sum(p.numel for p in matrices) + tail_elements
+        total_elements = sum(p.weight for p in matrices) + tail_elements
         wx, wy = (total_elements, total_cost) if total_cost else (0, 1)
         self.world_size = world_size
         self.dx = [world_size * c * wx for c, _ in classes]
@@ -76,11 +77,11 @@ class OwnerSearch:
         self.names = [p.name for p in matrices]
         self.members: list[list[list[int]]] = [[[] for _ in classes] for _ in range(world_size)]
         for i, p in enumerate(matrices):  # ascending indices per class
-            self.members[owners[p.name]][index[(p.cost, p.numel)]].append(i)
+            self.members[owners[p.name]][index[(p.cost, p.weight)]].append(i)
         self.config: list[Config] = [tuple(len(m) for m in row) for row in self.members]
         self.evaluations = 0
         self.bound_x = world_size * max_load_bound([p.cost for p in matrices], world_size) * wx
-        self.bound_y = world_size * max_load_bound([p.numel for p in matrices], world_size) * wy + self.base
+        self.bound_y = world_size * max_load_bound([p.weight for p in matrices], world_size) * wy + self.base
         self._points: dict[Config, tuple[int, int]] = {}
         self._splits: dict[tuple, tuple[Score, Config]] = {}
         self._pairs: dict[tuple, tuple | None] = {}

@@ -27,7 +27,6 @@ from torch.utils._pytree import tree_flatten
 from ..config import MatrixFSDPConfig
 from ..groups import ProcessGroups, group_rank
 from ..models import ModelAdapter, ModelUnit, adapter_for
-from ..optim import registry
 from ..placement.blocks import split_qkv_blocks
 from ..placement.layout import ParamSpec, Plan, UnitLayout, UnitSpec
 from ..placement.planner import plan_units
@@ -97,27 +96,22 @@ def _block_slots(layout: UnitLayout, shapes: dict) -> dict[str, list]:
 
 
 def unit_specs(units: list[ModelUnit], ddp_config: MatrixFSDPConfig, adapter: ModelAdapter, config) -> list[UnitSpec]:
-    """Classify and cost the parameters of model units for the planner: user rules first,
-    then the model's own, each rule's storage and cost from the optimizer's registry; with
-    ``split_qkv_owners`` the Q, K and V blocks of a linear_qkv are items of their own."""
-    rules = registry.rule_set(
-        list(ddp_config.param_rules) + adapter.param_rules(registry.PLACEMENT_MATRIX_RULE),
-        ddp_config.layout,
-        ddp_config.newton_schulz,
-    )
+    """Classify and cost the parameters of model units for the planner: user rules first, then the
+    model's roles (``ddp_config.rules``: each one's storage, cost and state bytes, from the optimizer's
+    registry); Q, K and V split where the matrix rule updates them apart, and with ``split_qkv_owners``
+    placed as items of their own."""
+    rules = ddp_config.rules.extended(adapter.param_roles())
     specs = []
     for unit in units:
         params = []
         for name, p in unit.params:
-            rule = rules.classify(name, p.shape)
-            split = adapter.split_rows(name, config) if ddp_config.muon_split_qkv else None
-            params.append(
-                ParamSpec(
-                    name, tuple(p.shape), rule, rules.storage(rule), rules.cost(rule, tuple(p.shape), split), split
-                )
-            )
+            rule, shape = rules.classify(name, p.shape), tuple(p.shape)
+            split = adapter.split_rows(name, config) if rules.splits_qkv(rule) else None
+            spec = ParamSpec(name, shape, rule, rules.storage(rule), rules.cost(rule, shape, split), split)
+            spec.state_bytes = rules.state_bytes(rule, shape)
+            params.append(spec)
         specs.append(UnitSpec(unit.name, params))
-    return split_qkv_blocks(specs, ddp_config.split_qkv_owners, rules.cost)
+    return split_qkv_blocks(specs, ddp_config.split_qkv_owners, rules.cost, rules.state_bytes)
 
 
 def _run_shards(sh, start: int, at: int, data: torch.Tensor, key_prefix: str, replica: int) -> list:

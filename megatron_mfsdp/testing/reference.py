@@ -41,29 +41,19 @@ def reference_train(
     model, config, opt_config, world_size: int, steps: int, num_micro: int, muon_blocks: int = 1
 ) -> dict:
     """Single-process training that processes every rank's micro-batches and averages the
-    way MatrixFSDP does, then updates each parameter with the library's own rule math.
+    way MatrixFSDP does, then updates each parameter with the library's own rule: the rule
+    --optimizer gives its role (optim/registry.py), stepped on the whole parameter.
 
-    ``muon_blocks`` > 1 orthogonalizes each matrix in that many blocks along its
+    ``muon_blocks`` > 1 orthogonalizes each Muon matrix in that many blocks along its
     tensor-parallel split dimension: what blockwise Muon does at that TP size."""
-    from ..models.gpt import gpt_param_rules, qkv_split_rows
-    from ..optim import registry
-
-    rules = registry.rule_set(gpt_param_rules(registry.PLACEMENT_MATRIX_RULE))
     params = dict(model.named_parameters())
     state = {n: {} for n in params}
-    qkv_rows = qkv_split_rows(config) if opt_config.muon_split_qkv else None
     losses = []
     for step in range(1, steps + 1):
         acc, step_loss = _reduced_gradients(model, params, step, world_size, num_micro)
         losses.append(step_loss)
         _clip_(acc, opt_config.clip_grad)
-        with torch.no_grad():
-            for n, p in params.items():
-                if registry.resolve(rules.classify(n, p.shape), opt_config.optimizer).name == "muon":
-                    split = qkv_rows if n.endswith("linear_qkv.weight") else None
-                    _muon_blocks_step(p, acc[n], state[n], opt_config, split, muon_blocks)
-                else:
-                    _adamw_step(p, n, acc[n], state[n], opt_config, step)
+        reference_step(model, config, opt_config, acc, state, step, muon_blocks)
     return {
         "params": {n: p.detach().clone() for n, p in params.items()},
         "state": {n: {k: v.reshape(-1).clone() for k, v in st.items()} for n, st in state.items()},
@@ -71,27 +61,42 @@ def reference_train(
     }
 
 
-def _adamw_step(p, name, grad, state, opt_config, step: int) -> None:
-    from ..optim.adamw import adamw_step_
-    from ..optim.optimizer import no_weight_decay
+@torch.no_grad()
+def reference_step(model, config, opt_config, grads: dict, state: dict, step: int, muon_blocks: int = 1) -> None:
+    """One optimizer step on every parameter of the single-process ``model`` from its fp32 gradient
+    ``grads[name]`` (flat), with the rule --optimizer gives its role (optim/registry.py) stepped on the
+    whole parameter; ``state[name]`` carries each parameter's state from step to step."""
+    from ..models.gpt import gpt_param_roles, qkv_split_rows
+    from ..optim import registry
 
+    rules = registry.rule_set((), opt_config).extended(gpt_param_roles())
+    qkv_rows = qkv_split_rows(config) if opt_config.muon_split_qkv else None
+    for n, p in model.named_parameters():
+        placed = rules.classify(n, p.shape)
+        rule = registry.rule_for(placed, rules.storage(placed), opt_config)
+        if rule.name == "muon":
+            split = qkv_rows if n.endswith("linear_qkv.weight") else None
+            _muon_blocks_step(p, grads[n], state.setdefault(n, {}), opt_config, split, muon_blocks)
+        else:
+            _rule_step(rule, p, n, grads[n], state.setdefault(n, {}), opt_config, step)
+
+
+def _rule_step(rule, p, name, grad, state, opt_config, step: int) -> None:
+    """One step of ``rule`` on the whole parameter (flat for an elementwise rule, as a slice of it is),
+    its state kept in ``state`` from step to step."""
+    from ..optim import registry
+    from ..optim.optimizer import no_weight_decay
+    from ..optim.rule import OwnedPiece, StepContext
+    from ..placement.rules import WHOLE
+
+    shape = tuple(p.shape) if rule.storage == WHOLE else (p.numel(),)
+    piece = OwnedPiece(name, name, rule.name, p.numel(), 0, p.data.view(shape), grad.view(shape))
+    settings = registry.settings_of(rule, opt_config)
+    if not state:
+        state.update(rule.init_state(piece, settings))
+    piece.state = state
     wd = 0.0 if no_weight_decay(name, p.shape) else opt_config.weight_decay
-    m = state.setdefault("exp_avg", torch.zeros(p.numel()))
-    v = state.setdefault("exp_avg_sq", torch.zeros(p.numel()))
-    b1, b2 = opt_config.adam_beta1, opt_config.adam_beta2
-    adamw_step_(
-        p.data.view(-1),
-        grad,
-        m,
-        v,
-        lr=opt_config.lr,
-        weight_decay=wd,
-        beta1=b1,
-        beta2=b2,
-        eps=opt_config.adam_eps,
-        bias_correction1=1 - b1**step,
-        bias_correction2=1 - b2**step,
-    )
+    rule.step([piece], StepContext(opt_config, step, opt_config.lr, wd, settings=settings))
 
 
 def _muon_blocks_step(p, grad, state, opt_config, split, blocks: int) -> None:

@@ -133,11 +133,18 @@ def theoretical_memory(args, num_microbatches=None) -> tuple[list[str], float]:
     return out, weights
 
 
-def owner_bytes(chunks, optimizer: str, dp_rank: int) -> dict[str, int]:
+def owner_bytes(chunks, optimizer, dp_rank: int) -> dict[str, int]:
     """What DP rank ``dp_rank`` of the chunks' plans holds for the whole run: its parameter segment
     (parameter dtype), its fp32 gradient segment, fp32 masters where the parameters are not fp32,
-    and each piece's rule state in fp32 (Adam two moments, Muon and SGD one momentum; Muon's TP
-    variant keeps Muon's). FP8 matrices, stored as bytes, are not modelled: the measured figure is."""
+    and each piece's rule state (the rule's own count: Adam two moments, Muon and SGD one momentum,
+    a factored rule its factors; Muon's TP variant keeps Muon's). ``optimizer``: its config, or an
+    --optimizer name with the defaults. FP8 matrices, stored as bytes, are not modelled: the measured
+    figure is."""
+    from ..config import MatrixFSDPOptimizerConfig
+    from ..optim.rule import CostContext
+    from ..placement.rules import WHOLE
+
+    config = MatrixFSDPOptimizerConfig(optimizer=optimizer) if isinstance(optimizer, str) else optimizer
     held = dict(params=0, grads=0, masters=0, optimizer_state=0)
     for chunk in chunks:
         masters = 0 if chunk.param_dtype == torch.float32 else 4
@@ -146,7 +153,9 @@ def owner_bytes(chunks, optimizer: str, dp_rank: int) -> dict[str, int]:
                 held["params"] += piece.numel * chunk.plan.element_size
                 held["grads"] += piece.numel * 4
                 held["masters"] += piece.numel * masters
-                held["optimizer_state"] += piece.numel * 4 * len(registry.resolve(piece.slot.rule, optimizer).state)
+                rule = registry.rule_for(piece.slot.rule, piece.slot.storage, config)
+                shape = tuple(piece.slot.shape) if rule.storage == WHOLE else (piece.numel,)
+                held["optimizer_state"] += rule.resident_bytes(shape, CostContext(config))
     return held
 
 
@@ -156,7 +165,7 @@ def _owner_figures(args, chunks, optimizer, groups) -> tuple | None:
     if not all(hasattr(c, "plan") for c in chunks):
         return None
     world = chunks[0].plan.world_size
-    per_rank = [owner_bytes(chunks, args.optimizer, r) for r in range(world)]
+    per_rank = [owner_bytes(chunks, getattr(optimizer, "config", args.optimizer), r) for r in range(world)]
     busiest = max(range(world), key=lambda r: sum(per_rank[r].values()))
     measured = sum(sum(c.local_bytes().values()) for c in chunks) + sum(optimizer.local_bytes().values())
     return per_rank[busiest], busiest, world, group_rank(groups.pp), measured

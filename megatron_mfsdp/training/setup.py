@@ -19,15 +19,19 @@ import torch
 
 from ..config import MatrixFSDPConfig, MatrixFSDPOptimizerConfig
 from ..groups import ProcessGroups
-from ..optim.muon import NewtonSchulzCost
+from ..optim import registry
 
 MATRIX_FSDP, MEGATRON_DDP, REPLICATED = "matrix_fsdp", "megatron_ddp", "replicated"
+
+
+MEGATRON_OPTIMIZERS = ("adam", "sgd")
+"""What megatron-core 0.16.1's own DDP and optimizer run; any other --optimizer runs on the replicated backend."""
 
 
 def backend(args) -> str:
     if args.use_matrix_fsdp:
         return MATRIX_FSDP
-    return REPLICATED if args.optimizer == "muon" else MEGATRON_DDP
+    return MEGATRON_DDP if args.optimizer in MEGATRON_OPTIMIZERS else REPLICATED
 
 
 def runtime_config(args, on_cpu: bool | None = None) -> MatrixFSDPConfig:
@@ -40,9 +44,13 @@ def runtime_config(args, on_cpu: bool | None = None) -> MatrixFSDPConfig:
         param_rules=args.param_rules,
         planner=args.mfsdp_planner,
         layout=args.mfsdp_layout,
-        muon_split_qkv=args.muon_split_qkv,
         split_qkv_owners=args.mfsdp_split_qkv_owners,
-        newton_schulz=NewtonSchulzCost.of(args, not torch.cuda.is_available() if on_cpu is None else on_cpu),
+        rules=registry.rule_set(
+            args.param_rules,
+            optimizer_config(args),
+            args.mfsdp_layout,
+            not torch.cuda.is_available() if on_cpu is None else on_cpu,
+        ),
         verify_collectives=args.mfsdp_verify_collectives,
         reduce_order=args.mfsdp_reduce_order,
         grad_reduce_in_fp32=args.accumulate_allreduce_grads_in_fp32 or not low_precision,
@@ -80,8 +88,13 @@ def _same_named(cls, args, **overrides) -> dict:
 
 
 def optimizer_config(args) -> MatrixFSDPOptimizerConfig:
+    """megatron-core's OptimizerConfig fields and ours from the flags of their names, and each update
+    rule's settings from its own flags (optim/registry.py)."""
     dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
-    return MatrixFSDPOptimizerConfig(**_same_named(MatrixFSDPOptimizerConfig, args, params_dtype=dtype, timers=None))
+    settings = registry.settings_from_args(args)
+    return MatrixFSDPOptimizerConfig(
+        **_same_named(MatrixFSDPOptimizerConfig, args, params_dtype=dtype, timers=None, rule_settings=settings)
+    )
 
 
 def megatron_optimizer_config(args):

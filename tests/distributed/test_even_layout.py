@@ -42,7 +42,7 @@ def _train_worker(rank, world_size, layout, steps, num_micro):
         "full": ddp.full_state_dict(),
         "opt": opt.state_dict(),
         "step_calls": step_calls,
-        "rules": sorted({(p.slot.rule, p.slot.storage) for u in ddp.units for p in u.pieces}),
+        "rules": sorted({(o.rule, "slice" if o.master.dim() == 1 else "whole") for _, o in opt._pieces()}),
         "segments": [u.layout.segment_numel(rank) for u in ddp.units],
         "matrix_numel": [u.layout.matrix_numel for u in ddp.units],
         "shapes": {s.name: s.shape for u in ddp.plan.units for s in u.slots},
@@ -95,17 +95,21 @@ def test_dp2_even_layout_equals_owner_layout_and_reference():
 def test_even_rule_set_and_bounds():
     """The rule set of layout 'even' sends the hidden matrices to muon_even (SLICE), leaves the tail to
     adamw, and a matrix's per-rank bounds follow the even tail split (rank order, covering it once)."""
-    from megatron_mfsdp.models.gpt import gpt_param_rules
+    from megatron_mfsdp.models.gpt import gpt_param_roles
     from megatron_mfsdp.optim import registry
     from megatron_mfsdp.placement import ParamSpec, UnitSpec, plan_units
 
-    rules = registry.rule_set(gpt_param_rules(registry.PLACEMENT_MATRIX_RULE), "even")
-    assert rules.classify("decoder.layers.0.mlp.linear_fc1.weight", (128, 64)) == "muon_even"
-    assert rules.storage("muon_even") == "slice"
-    assert rules.classify("decoder.layers.0.mlp.linear_fc1.bias", (128,)) == "adamw"
-    assert registry.rule_set(gpt_param_rules("muon")).classify("x.linear_fc1.weight", (4, 4)) == "muon"
+    rules = registry.rule_set((), None, "even").extended(gpt_param_roles())
+    assert rules.classify("decoder.layers.0.mlp.linear_fc1.weight", (128, 64)) == "matrix"
+    assert rules.storage("matrix") == "slice" and rules.storage("muon") == "slice"
+    assert registry.rule_for("matrix", "slice", optimizer_config()).name == "muon_even"
+    assert registry.rule_for("matrix", "whole", optimizer_config()).name == "muon"
+    assert rules.classify("decoder.layers.0.mlp.linear_fc1.bias", (128,)) == "elementwise"
+    assert registry.rule_for("elementwise", "slice", optimizer_config()).name == "adamw"
+    owner = registry.rule_set().extended(gpt_param_roles())
+    assert owner.classify("x.linear_fc1.weight", (4, 4)) == "matrix" and owner.storage("matrix") == "whole"
     with pytest.raises(ValueError, match="--mfsdp-layout"):
-        registry.rule_set([], "zero3")
+        registry.rule_set([], None, "zero3")
     specs = [ParamSpec("a", (5, 7), "muon_even", "slice"), ParamSpec("b", (3,), "adamw", "slice")]
     layout = plan_units([UnitSpec("u", specs)], 3).units[0]
     assert layout.tail_bounds == [0, 13, 26, 38]

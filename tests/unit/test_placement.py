@@ -4,18 +4,18 @@ import pytest
 import torch
 
 from megatron_mfsdp.config import MatrixFSDPConfig
-from megatron_mfsdp.models.gpt import GPT_ADAPTER, build_gpt_model, gpt_param_rules
+from megatron_mfsdp.models.gpt import GPT_ADAPTER, build_gpt_model, gpt_param_roles
 from megatron_mfsdp.optim import registry
 from megatron_mfsdp.placement import SLICE, WHOLE, ParamSpec, UnitSpec, balance, plan_units
 from megatron_mfsdp.placement.bounds import plan_bounds
 from megatron_mfsdp.runtime.wrapper import unit_specs
 from megatron_mfsdp.testing import init_megatron, optimizer_config, run_workers, tiny_gpt_config
 
-GPT_RULES = registry.rule_set(gpt_param_rules("muon"))
+GPT_RULES = registry.rule_set(gpt_param_roles())
 
 
 def classify(name, shape, user_rules=()):
-    return registry.rule_set(list(user_rules) + gpt_param_rules("muon")).classify(name, shape)
+    return registry.rule_set(list(user_rules)).extended(gpt_param_roles()).classify(name, shape)
 
 
 def _gpt_specs_worker(rank, world_size, layers, hidden, ffn, heads, groups, vocab):
@@ -55,15 +55,23 @@ def _check_layout_covers_every_element_once(plan):
 
 
 def test_default_rules_classify_megatron_gpt_names():
-    assert classify("decoder.layers.0.self_attention.linear_qkv.weight", (96, 32)) == "muon"
-    assert classify("decoder.layers.3.mlp.linear_fc2.weight", (32, 64)) == "muon"
-    assert classify("decoder.layers.0.mlp.linear_fc1.bias", (64,)) == "adamw"
-    assert classify("decoder.layers.0.input_layernorm.weight", (32,)) == "adamw"
-    assert classify("embedding.word_embeddings.weight", (100, 32)) == "adamw"
-    assert classify("output_layer.weight", (100, 32)) == "adamw"
-    # A user rule overrides the built-in one.
+    """The model gives roles (hidden matrices vs the rest); --optimizer decides which rule runs on each."""
+    assert classify("decoder.layers.0.self_attention.linear_qkv.weight", (96, 32)) == "matrix"
+    assert classify("decoder.layers.3.mlp.linear_fc2.weight", (32, 64)) == "matrix"
+    assert classify("decoder.layers.0.mlp.linear_fc1.bias", (64,)) == "elementwise"
+    assert classify("decoder.layers.0.input_layernorm.weight", (32,)) == "elementwise"
+    assert classify("embedding.word_embeddings.weight", (100, 32)) == "elementwise"
+    assert classify("output_layer.weight", (100, 32)) == "elementwise"
+    # A user rule overrides the model's role.
     assert classify("output_layer.weight", (100, 32), [("output_layer.weight", "muon")]) == "muon"
+    assert GPT_RULES.storage("matrix") == WHOLE and GPT_RULES.storage("elementwise") == SLICE
     assert GPT_RULES.storage("muon") == WHOLE and GPT_RULES.storage("adamw") == SLICE
+    # The hidden matrices stay whole under an elementwise --optimizer (AdamW runs on the owner's whole
+    # matrix): the layout, planned by Muon's cost, does not change with it.
+    adam = registry.rule_set((), optimizer_config(optimizer="adam"))
+    muon = registry.rule_set((), optimizer_config())
+    assert adam.storage("matrix") == WHOLE and adam.cost("matrix", (96, 32)) == muon.cost("matrix", (96, 32)) > 0
+    assert registry.rule_for("matrix", WHOLE, optimizer_config(optimizer="adam")).name == "adamw"
 
 
 def test_parameter_that_fits_no_rule_is_named():

@@ -1,5 +1,5 @@
 """megatron-core GPTModel: building it (build), splitting it into units (units), its
-parameter-name rules (rules) and global names (naming), and the adapter that hands
+parameter roles by name (rules) and global names (naming), and the adapter that hands
 all of it to the runtime."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import torch
 
 from .build import build_gpt_model, gpt_layer_spec, initialize_by_global_name
 from .naming import global_parameter_names
-from .rules import gpt_param_rules, qkv_split_rows
+from .rules import gpt_param_roles, qkv_split_rows
 from .units import TIED_EMBEDDING, gpt_model_units
 
 
@@ -21,7 +21,7 @@ class GPTAdapter:
         return isinstance(module, GPTModel)
 
     units = staticmethod(gpt_model_units)
-    param_rules = staticmethod(gpt_param_rules)
+    param_roles = staticmethod(gpt_param_roles)
     global_names = staticmethod(global_parameter_names)
 
     def split_rows(self, name: str, config) -> tuple[int, ...] | None:
@@ -39,7 +39,7 @@ __all__ = [
     "gpt_layer_spec",
     "initialize_by_global_name",
     "global_parameter_names",
-    "gpt_param_rules",
+    "gpt_param_roles",
     "qkv_split_rows",
     "gpt_model_units",
 ]

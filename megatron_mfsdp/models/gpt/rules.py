@@ -1,13 +1,15 @@
-"""megatron-core GPT parameter names -> update rules.
+"""megatron-core GPT parameter names -> roles.
 
-The names are megatron-core's (local and Transformer Engine layer specs). Embeddings,
-the output layer, biases and norms take the elementwise rule; the four hidden
-matrices of every layer take ``matrix_rule`` (Muon, or AdamW with --optimizer adam).
+The names are megatron-core's (local and Transformer Engine layer specs). Embeddings, the output
+layer, biases and norms are elementwise parameters; the four hidden matrices of every layer are
+matrices. Which rule runs on each role is --optimizer's (the optimizer's registry), not the
+model's: with --optimizer muon, Muon on the matrices and AdamW (or --muon-scalar-optimizer lion)
+on the rest; with --optimizer adam, AdamW on all.
 """
 
 from __future__ import annotations
 
-ELEMENTWISE_RULE = "adamw"
+from ...placement.rules import ELEMENTWISE, MATRIX
 
 _TAIL_PATTERNS = (
     "*embedding*",
@@ -20,9 +22,9 @@ _TAIL_PATTERNS = (
 MATRIX_PATTERNS = ("*linear_qkv.weight", "*linear_proj.weight", "*linear_fc1.weight", "*linear_fc2.weight")
 
 
-def gpt_param_rules(matrix_rule: str) -> list[tuple[str, str]]:
-    """The default rule list of a GPTModel; the first match wins."""
-    return [(p, ELEMENTWISE_RULE) for p in _TAIL_PATTERNS] + [(p, matrix_rule) for p in MATRIX_PATTERNS]
+def gpt_param_roles() -> list[tuple[str, str]]:
+    """The roles of a GPTModel's parameters, by name pattern; the first match wins."""
+    return [(p, ELEMENTWISE) for p in _TAIL_PATTERNS] + [(p, MATRIX) for p in MATRIX_PATTERNS]
 
 
 def qkv_split_rows(config) -> tuple[int, int, int]:

@@ -34,6 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     run_flags.add_data_args(p)
     run_flags.add_logging_args(p)
     ours.add_muon_args(p)
+    ours.add_rule_args(p)
     ours.add_mfsdp_args(p)
     return p
 

@@ -69,6 +69,13 @@ def add_muon_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--muon-extra-scale-factor", type=finite_float, default=1.0)
     g.add_argument(
+        "--muon-scalar-optimizer",
+        default=config_default(O, "muon_scalar_optimizer"),
+        choices=config_choices(O, "muon_scalar_optimizer"),
+        help="the rule of the elementwise parameters (embeddings, biases, norms) with --optimizer muon or "
+        "adaptive_muon (Megatron-LM HEAD): adam (AdamW) or lion",
+    )
+    g.add_argument(
         "--muon-ns-dtype",
         default=None,
         choices=config_choices(O, "muon_ns_dtype"),
@@ -86,6 +93,32 @@ def add_muon_args(p: argparse.ArgumentParser) -> None:
         "(X X^T, the Gram polynomials) by block rows, 0.625 of their multiply-adds",
     )
     _add_deprecated_muon_args(g)
+
+
+def add_rule_args(p: argparse.ArgumentParser) -> None:
+    """Each update rule's own settings (optim/registry.py), a flag per field of its settings dataclass: its
+    name (Megatron-LM's OptimizerConfig field where one exists) with dashes, or the field's ``flag``; the
+    default and help from the field. A new rule's flags need nothing here."""
+    from ...optim import registry
+
+    for rule in registry.RULES.values():
+        if rule.settings is None:
+            continue
+        g = p.add_argument_group(f"{rule.name} ({(rule.settings.__doc__ or '').strip().splitlines()[0]})")
+        for f in dataclasses.fields(rule.settings):
+            _add_setting(g, f)
+
+
+def _add_setting(g, f) -> None:
+    flag, meta = f.metadata.get("flag", "--" + f.name.replace("_", "-")), f.metadata
+    kwargs = dict(dest=f.name, default=f.default, help=meta.get("help"))
+    if isinstance(f.default, bool):
+        g.add_argument(flag, action=argparse.BooleanOptionalAction, **kwargs)
+    elif "choices" in meta:
+        g.add_argument(flag, choices=list(meta["choices"]), **kwargs)
+    else:
+        kind = meta.get("type") or {float: finite_float, int: positive_int}.get(type(f.default), str)
+        g.add_argument(flag, type=kind, **kwargs)
 
 
 def _add_deprecated_muon_args(g) -> None:

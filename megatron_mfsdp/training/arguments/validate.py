@@ -176,10 +176,11 @@ def validate_fp8(args) -> None:
         return
     if not args.bf16:
         _fail(f"--fp8-format {args.fp8} needs --bf16: FP8 weights are cast from bf16 and the rest computes in bf16")
-    if args.optimizer != "muon":
+    if _matrix_rule(args).storage != "whole":
         _fail(
             f"--fp8-format with --use-matrix-fsdp and --optimizer {args.optimizer}: owners quantize the matrices "
-            "they hold whole, which needs --optimizer muon (split matrices would need an amax all-reduce)"
+            "they hold whole, which needs --optimizer muon or another matrix optimizer (split matrices would need "
+            "an amax all-reduce)"
         )
     from ...precision import Fp8Config, check_shape
 
@@ -428,14 +429,30 @@ def _validate_layout(args) -> None:
 
 
 def _validate_qkv_owners(args) -> None:
-    """Q, K and V apart are Muon matrices on MatrixFSDP owners (the config checks the rest)."""
+    """Q, K and V apart are blocks of a matrix rule that updates them apart, on MatrixFSDP owners (the
+    config checks the rest)."""
     if args.mfsdp_split_qkv_owners == "whole":
         return
     flag = f"--mfsdp-split-qkv-owners {args.mfsdp_split_qkv_owners}"
+    rule = _matrix_rule(args)
+    if not rule.splits_qkv(args):
+        if rule.storage == "whole" and not getattr(args, "muon_split_qkv", True):
+            _fail(f"{flag} places Q, K and V apart, which --muon-no-split-qkv orthogonalizes together")
+        _fail(
+            f"{flag} needs --optimizer muon (or another matrix optimizer that updates Q, K and V apart); "
+            f"--optimizer {args.optimizer} updates a linear_qkv whole"
+        )
+    if args.mfsdp_layout != "owner":
+        _fail(f"{flag} needs --mfsdp-layout owner (even shards have no owners)")
     if not args.use_matrix_fsdp:
         _fail(f"{flag} needs --use-matrix-fsdp (owners are a MatrixFSDP placement)")
-    if args.optimizer != "muon":
-        _fail(f"{flag} needs --optimizer muon (with {args.optimizer} a linear_qkv is split evenly, not owned)")
+
+
+def _matrix_rule(args):
+    """The rule --optimizer runs on the model's matrices (optim/registry.py)."""
+    from ...optim import registry
+
+    return registry.optimizer_rule(args.optimizer)
 
 
 def validate_optimizer(args) -> None:
@@ -445,10 +462,10 @@ def validate_optimizer(args) -> None:
 
     args.muon_ns_dtype = args.muon_ns_dtype or _ns_dtype(args)
     args.param_rules = [parse_rule(rule, registry.rule_names()) for rule in args.mfsdp_param_rule]
+    _validate_qkv_owners(args)  # flag-level reasons first; the configs then check their own fields
+    _validate_layout(args)
     runtime_config(args)  # the configs validate their own fields (one source of truth)
     optimizer_config(args)
-    _validate_layout(args)
-    _validate_qkv_owners(args)
     if args.use_matrix_fsdp:
         for flag, on, instead in (
             (
@@ -469,10 +486,10 @@ def validate_optimizer(args) -> None:
         ):
             if on:
                 args.notices.append(f"{flag} with --use-matrix-fsdp: {instead}")
-    elif args.optimizer == "muon" and (args.use_distributed_optimizer or args.overlap_param_gather):
+    elif _matrix_rule(args).storage == "whole" and (args.use_distributed_optimizer or args.overlap_param_gather):
         _fail(
-            "--optimizer muon with --use-distributed-optimizer or --overlap-param-gather needs --use-matrix-fsdp "
-            "(megatron-core's Muon supports neither, as in Megatron-LM 0.16.1)"
+            f"--optimizer {args.optimizer} with --use-distributed-optimizer or --overlap-param-gather needs "
+            "--use-matrix-fsdp (megatron-core 0.16.1 runs neither with a matrix optimizer)"
         )
     elif args.overlap_param_gather and not args.use_distributed_optimizer:
         _fail("--overlap-param-gather needs --use-distributed-optimizer (as Megatron-LM)")
