@@ -28,10 +28,18 @@ replicated per iteration) after a barrier; a step's time is the maximum over
 ranks. After timing, the parameters of the three are compared (they ran the same
 number of steps from the same state, so they should agree).
 
+Then every rule (``--rules``, default: every --optimizer value): the owner layout against
+``--mfsdp-layout even`` (each rule's reconstruction variant in our own runtime: gradients or
+momentum gathered over DP per matrix, the rule's math on every rank that holds a slice, its
+non-elementwise state replicated there), from the same weights and reduced gradients: step ms
+(slowest rank, median), collectives and bytes moved per step (busiest rank), bytes held per rank
+(busiest rank; optimizer state apart), and that both end with bitwise equal weights.
+
 Run from the repository root:
 
     .venv/bin/python benchmarks/bench_optimizer_step.py            # W = 2 and 4
     .venv/bin/python benchmarks/bench_optimizer_step.py --quick    # CI smoke, < 60 s
+    .venv/bin/python benchmarks/bench_optimizer_step.py --rules soap shampoo --skip-muon-baselines
 """
 
 from __future__ import annotations
@@ -269,6 +277,100 @@ def _worker(rank, world, a):
     }
 
 
+# --------------------------------------------------------------------------- every rule: owner vs even
+def _rule_build(a, layout: str, optimizer: str):
+    from megatron_mfsdp import MatrixFSDP, MatrixFSDPConfig, get_megatron_optimizer
+    from megatron_mfsdp.models.gpt import build_gpt_model
+    from megatron_mfsdp.testing import optimizer_config, tiny_gpt_config
+
+    torch.manual_seed(a["seed"])
+    shape = {k: a[k] for k in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads")}
+    config = tiny_gpt_config(**shape, num_query_groups=a["num_query_groups"])
+    model = build_gpt_model(config, vocab_size=a["vocab_size"], max_sequence_length=a["seq_length"])
+    cfg = optimizer_config(
+        optimizer=optimizer, muon_ns_dtype=a["ns_dtype"], muon_num_ns_steps=a["ns_steps"], lr=1e-3, min_lr=1e-3
+    )
+    ddp = MatrixFSDP(config, MatrixFSDPConfig(layout=layout, rules=registry.rule_set((), cfg, layout)), model)
+    return ddp, get_megatron_optimizer(cfg, [ddp])
+
+
+def _max_over_ranks(values, group) -> list[float]:
+    local = torch.tensor(values, dtype=torch.float64)
+    everyone = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(everyone, local, group=group)
+    return torch.stack(everyone).max(dim=0).values.tolist()
+
+
+def _rule_worker(rank, world, a, optimizer):
+    """Owner and even layouts of one rule, the same weights and reduced gradients, steps interleaved."""
+    from megatron.core import parallel_state
+
+    parallel_state.initialize_model_parallel(1, 1)
+    group = parallel_state.get_data_parallel_group()
+    runs = {layout: _rule_build(a, layout, optimizer) for layout in ("owner", "even")}
+    g = torch.Generator().manual_seed(1000 + rank)
+    tokens = torch.randint(0, a["vocab_size"], (a["micro_batch_size"], a["seq_length"]), generator=g)
+    positions = torch.arange(a["seq_length"]).expand_as(tokens)
+    saved = {}
+    for layout, (ddp, opt) in runs.items():
+        opt.zero_grad()
+        ddp(tokens, positions, None, labels=tokens).float().mean().backward()
+        ddp.finish_grad_sync()
+        saved[layout] = [state.grad_segment.clone() for state in ddp.units]
+    times, calls = {layout: [] for layout in runs}, {}
+    for it in range(a["warmup"] + a["iters"]):
+        for layout, (ddp, opt) in runs.items():
+            for state, grads in zip(ddp.units, saved[layout]):
+                state.grad_segment.copy_(grads)
+            dist.barrier(group=group)
+            with count_collectives() as log:
+                t0 = time.perf_counter()
+                assert opt.step()[0]
+                dt = time.perf_counter() - t0
+            calls[layout] = (len(log), sum(c.nbytes for c in log))
+            if it >= a["warmup"]:
+                times[layout].append(dt)
+    slowest = {layout: statistics.median(_max_over_ranks(t, group)) * 1e3 for layout, t in times.items()}
+    held = {}
+    for layout, (ddp, opt) in runs.items():
+        total, state = sum({**ddp.local_bytes(), **opt.local_bytes()}.values()), opt.local_bytes()["optimizer_state"]
+        held[layout] = _max_over_ranks([total, state, *calls[layout]], group)
+    owner_w, even_w = (ddp.full_state_dict() for ddp, _ in runs.values())
+    equal = all(torch.equal(owner_w[k], even_w[k]) for k in owner_w)
+    return {"optimizer": optimizer, "W": world, "ms": slowest, "held": held, "equal": equal}
+
+
+def run_rules(args, worker_args) -> list[dict]:
+    out = []
+    for optimizer in args.rules:
+        for W in args.world_sizes:
+            threads = max(1, args.cpus // W)
+            out.append(spawn(W, threads, _rule_worker, worker_args, optimizer, timeout=args.timeout))
+    print("\n=== every rule: owner layout vs --mfsdp-layout even (reconstruction), same weights and gradients ===")
+    print(
+        f"{'optimizer':<14} {'W':>2} {'owner ms':>9} {'even ms':>9} {'even/owner':>10} {'coll. owner/even':>16} "
+        f"{'moved MiB owner/even':>21} {'held MiB owner/even':>20} {'state MiB owner/even':>21} bitwise"
+    )
+    for r in out:
+        o, e = r["held"]["owner"], r["held"]["even"]
+        print(
+            f"{r['optimizer']:<14} {r['W']:>2} {r['ms']['owner']:>9.1f} {r['ms']['even']:>9.1f} "
+            f"{r['ms']['even'] / r['ms']['owner']:>10.2f} {f'{o[2]:.0f}/{e[2]:.0f}':>16} "
+            f"{f'{o[3] / 2**20:.2f}/{e[3] / 2**20:.2f}':>21} {f'{o[0] / 2**20:.2f}/{e[0] / 2**20:.2f}':>20} "
+            f"{f'{o[1] / 2**20:.2f}/{e[1] / 2**20:.2f}':>21} {'yes' if r['equal'] else 'NO'}"
+        )
+    for r in out:
+        print(
+            f"RULE optimizer={r['optimizer']} W={r['W']} owner_ms={r['ms']['owner']:.2f} even_ms={r['ms']['even']:.2f} "
+            f"even_over_owner={r['ms']['even'] / r['ms']['owner']:.3f} owner_bytes={int(r['held']['owner'][0])} "
+            f"even_bytes={int(r['held']['even'][0])} owner_state_bytes={int(r['held']['owner'][1])} "
+            f"even_state_bytes={int(r['held']['even'][1])} owner_moved={int(r['held']['owner'][3])} "
+            f"even_moved={int(r['held']['even'][3])} bitwise={r['equal']}"
+        )
+    sys.stdout.flush()
+    return out
+
+
 # --------------------------------------------------------------------------- printing
 def _mb(b):
     return f"{b / 2**20:8.2f} MiB"
@@ -373,6 +475,13 @@ def parse_args(argv=None):
         default=len(os.sched_getaffinity(0)),
         help="cores to share: each rank uses max(1, cpus // W) threads",
     )
+    p.add_argument(
+        "--rules",
+        nargs="*",
+        default=None,
+        help="--optimizer values to time owner vs --mfsdp-layout even (default: every one registered; none: skip)",
+    )
+    p.add_argument("--skip-muon-baselines", action="store_true", help="only the per-rule owner vs even table")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--timeout", type=float, default=1800, help="seconds per world size")
     p.add_argument("--quick", action="store_true", help="tiny config for a CI smoke run (< 60 s)")
@@ -382,6 +491,11 @@ def parse_args(argv=None):
         args.num_attention_heads, args.num_query_groups = 4, 2
         args.vocab_size, args.seq_length, args.micro_batch_size = 128, 32, 2
         args.iters, args.warmup = 3, 1
+    if args.rules is None:
+        args.rules = registry.optimizer_choices()
+    unknown = sorted(set(args.rules) - set(registry.optimizer_choices()))
+    if unknown:
+        p.error(f"--rules {' '.join(unknown)}: not an --optimizer value ({', '.join(registry.optimizer_choices())})")
     if args.iters < 1 or args.warmup < 1:
         p.error("--iters and --warmup must be >= 1 (the first warm-up step counts collectives)")
     return args
@@ -419,6 +533,12 @@ def main(argv=None):
         f"all three include the AdamW tail and a global grad norm"
     )
     sys.stdout.flush()
+    if not args.skip_muon_baselines:
+        muon_baselines(args, worker_args)
+    run_rules(args, worker_args)
+
+
+def muon_baselines(args, worker_args) -> None:
     results = []
     for W in args.world_sizes:
         threads = max(1, args.cpus // W)

@@ -1,11 +1,43 @@
 #!/usr/bin/env bash
 # Create ./.venv (if missing) and install everything the CPU path needs.
-# torch is pinned to the CPU build (an unpinned torch pulls a multi-GB CUDA build).
+#
+# torch: where no NVIDIA GPU is visible, the CPU build from PyTorch's CPU wheel index
+# (TORCH_INDEX, default https://download.pytorch.org/whl/cpu; its 2.13.0+cpu outranks PyPI's
+# 2.13.0): a plain `pip install torch` on Linux pulls the CUDA build and gigabytes of nvidia-*
+# wheels a CPU never uses. With a GPU, or TORCH_INDEX=pypi, PyPI's default build.
+# --dry-run prints the choice and the pip commands without running them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
-if [ ! -x .venv/bin/python ]; then
-    "$PYTHON" -m venv .venv
+TORCH_VERSION=2.13.0
+DRY_RUN=0
+[ "${1:-}" = "--dry-run" ] && DRY_RUN=1
+
+if [ -z "${TORCH_INDEX:-}" ]; then
+    if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+        TORCH_INDEX=pypi
+    else
+        TORCH_INDEX=https://download.pytorch.org/whl/cpu
+    fi
 fi
-.venv/bin/python -m pip install -q --disable-pip-version-check torch==2.13.0
-.venv/bin/python -m pip install -q --disable-pip-version-check -e '.[dev,test]'
+if [ "$TORCH_INDEX" = pypi ]; then
+    echo "setup_env: torch==$TORCH_VERSION from PyPI (its default build: CUDA on Linux)"
+    torch_source=()
+else
+    echo "setup_env: torch==$TORCH_VERSION, CPU build, from $TORCH_INDEX (no GPU found or TORCH_INDEX set; TORCH_INDEX=pypi for PyPI's CUDA build)"
+    torch_source=(--extra-index-url "$TORCH_INDEX")
+fi
+
+run() {
+    if [ "$DRY_RUN" = 1 ]; then echo "+ $*"; else "$@"; fi
+}
+if [ ! -x .venv/bin/python ]; then
+    run "$PYTHON" -m venv .venv
+fi
+pip=(.venv/bin/python -m pip install -q --disable-pip-version-check)
+if [ "$DRY_RUN" = 0 ] && .venv/bin/python -c "import sys, torch; sys.exit(torch.__version__.split('+')[0] != '$TORCH_VERSION')" 2>/dev/null; then
+    echo "setup_env: torch $(.venv/bin/python -c 'import torch; print(torch.__version__)') already in .venv"
+else
+    run "${pip[@]}" "torch==$TORCH_VERSION" ${torch_source[@]+"${torch_source[@]}"}
+fi
+run "${pip[@]}" -e '.[dev,test]'

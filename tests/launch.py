@@ -109,12 +109,15 @@ def losses(stdout: str):
     return [float(m.group(7)) for m in ITERATION_LINE.finditer(stdout)]
 
 
-def _pretrain_worker(rank, world_size, argv):
+def _pretrain_worker(rank, world_size, argv, setup=None):
     import contextlib
     import io
 
     from megatron_mfsdp.training.arguments import parse_args
     from megatron_mfsdp.training.loop import pretrain
+
+    if setup is not None:
+        setup()  # e.g. register a plug-in update rule before the flags are parsed
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
@@ -122,15 +125,15 @@ def _pretrain_worker(rank, world_size, argv):
     return {"history": history, "stdout": out.getvalue()}
 
 
-def pretrain_in_workers(nproc: int, *flags: str, tmp_path, rank: int | None = -1) -> dict | list:
+def pretrain_in_workers(nproc: int, *flags: str, tmp_path, rank: int | None = -1, setup=None) -> dict | list:
     """pretrain_gpt.py's code path (parse_args, pretrain) on the session's pooled gloo
     workers, without torchrun's start-up cost: one rank's loss history and stdout (by default
     the last rank's, which prints the training log; rank 0 prints start-up and exit lines;
-    ``rank=None``: every rank's)."""
+    ``rank=None``: every rank's). ``setup``, a module-level function, runs in each worker first."""
     from megatron_mfsdp.testing import run_workers
 
     argv = [*flags, "--output-dir", str(tmp_path / "out")]
-    results = run_workers(nproc, _pretrain_worker, argv)
+    results = run_workers(nproc, _pretrain_worker, argv, setup)
     return results if rank is None else results[rank]
 
 

@@ -30,6 +30,17 @@ def test_optimizer_step_benchmark_quick():
     assert all(ours == "1" and int(recon) > 1 for _, ours, recon in results)
     diffs = re.findall(r"max \|param - replicated\| after all steps: ours ([\d.e+-]+), recon ([\d.e+-]+)", out)
     assert diffs and all(float(a) < 1e-5 and float(b) < 1e-5 for a, b in diffs)
+    # Every registered --optimizer, owner vs even: the owner step moves only the 2-scalar all-reduce
+    # (16 bytes), both layouts end bitwise equal, and a matrix rule's even step moves its matrices.
+    from megatron_mfsdp.optim import registry
+
+    rules = {m["optimizer"]: m for m in (dict(kv.split("=") for kv in line.split()) for line in RULE_LINE.findall(out))}
+    assert set(rules) == set(registry.optimizer_choices())
+    assert all(r["owner_moved"] == "16" and r["bitwise"] == "True" for r in rules.values()), rules
+    assert int(rules["muon"]["even_moved"]) > 16
+
+
+RULE_LINE = re.compile(r"^RULE (optimizer=.*)$", re.M)
 
 
 def test_end_to_end_benchmark_quick():
