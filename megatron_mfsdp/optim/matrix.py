@@ -46,8 +46,11 @@ class MatrixMath:
     init: Callable[[tuple[int, int], object], dict[str, Tensor]]
     """The state of one matrix of this (rows, cols) shape under these settings: tensors of any shape."""
     direction: Callable[[Tensor, dict[str, Tensor], object, int], Tensor]
-    """(fp32 gradient, state, settings, 1-based step) -> the update direction, shaped like the gradient;
+    """(fp32 gradient, state, hyper, 1-based step) -> the update direction, shaped like the gradient;
     updates the state in place. The step applies ``param -= lr * (direction + weight_decay * param)``."""
+    hyper: Callable[[object, object], object] | None = None
+    """(the rule's settings, the optimizer config) -> what ``direction`` gets as its third argument, for a
+    rule that also reads shared flags (--adam-beta1/2, --adam-eps); None: the settings."""
 
 
 def settings_in(config, name: str, settings: type):
@@ -84,20 +87,25 @@ class _MatrixSteps:
     def init(self, piece: OwnedPiece, s) -> dict[str, Tensor]:
         return {k: v.to(piece.master.device) for k, v in self.math.init(_whole_shape(piece), s).items()}
 
+    def hyper(self, ctx: StepContext):
+        settings = ctx.settings if ctx.settings is not None else self.settings()
+        return settings if self.math.hyper is None else self.math.hyper(settings, ctx.config)
+
     @torch.no_grad()
     def step(self, pieces: Sequence[OwnedPiece], ctx: StepContext) -> None:
+        hyper = self.hyper(ctx)
         for p in pieces:
             if p.state_over_tp:  # duplicated: the whole matrix's direction, our slice of it
                 whole = gather_over_tp(p.grad, p.partition_dim, ctx.tp_group)
-                direction = self.math.direction(whole, p.state, ctx.settings, ctx.step)
+                direction = self.math.direction(whole, p.state, hyper, ctx.step)
                 direction = direction.chunk(p.tp_size, dim=p.partition_dim)[p.tp_rank]
             else:
-                direction = self.math.direction(p.grad, p.state, ctx.settings, ctx.step)
+                direction = self.math.direction(p.grad, p.state, hyper, ctx.step)
             apply_decoupled_(p.master, direction, ctx.lr, ctx.weight_decay)
 
     @torch.no_grad()
     def even_step(self, pieces: Sequence[OwnedPiece], ctx: StepContext) -> None:
-        local = {p.global_name: p for p in pieces}
+        local, hyper = {p.global_name: p for p in pieces}, self.hyper(ctx)
         rank = group_rank(ctx.dp_group)
         device = pieces[0].master.device if pieces else group_device(ctx.dp_group)
         for m in ctx.matrices:  # the same order on every rank: each gather is joined by all
@@ -105,7 +113,7 @@ class _MatrixSteps:
             grad = piece.grad if piece is not None else torch.empty(0, device=device)
             whole = gather_slices(grad, m.bounds, ctx.dp_group).view(m.shape)
             if piece is not None:
-                direction = self.math.direction(whole, piece.state, ctx.settings, ctx.step).reshape(-1)
+                direction = self.math.direction(whole, piece.state, hyper, ctx.step).reshape(-1)
                 apply_decoupled_(piece.master, direction[m.bounds[rank] : m.bounds[rank + 1]], ctx.lr, ctx.weight_decay)
 
     def check(self, piece: OwnedPiece, config) -> None:
@@ -138,6 +146,7 @@ def matrix_rule(
         storage=SLICE,
         state=steps.init,
         step=steps.even_step,
+        state_bytes=state_bytes,  # per holder: every rank that holds a slice keeps the whole state
         even_layout_of=name,
         collective=True,
         family=name,

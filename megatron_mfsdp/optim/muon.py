@@ -680,6 +680,25 @@ def scalar_rule(config) -> str:
     return {"adam": "adamw"}.get(config.muon_scalar_optimizer, config.muon_scalar_optimizer)
 
 
+def ns_algorithm_text(config) -> str:
+    """--muon-ns-algorithm as it acts in this run (auto_may_use_gram, uses_symmetric)."""
+    algorithm = config.muon_ns_algorithm
+    if algorithm == "auto":
+        gram = auto_may_use_gram(NS_DTYPES[config.muon_ns_dtype])
+        algorithm = "auto: gram where it needs fewer flops" if gram else "auto: standard"
+    if config.muon_ns_algorithm != "standard" and not torch.cuda.is_available():
+        algorithm += f", symmetric products by block rows where the short side is >= {SYMMETRIC_MIN_ROWS}"
+    return algorithm
+
+
+def describe(config) -> str:
+    """The start-up line's account of Muon's settings."""
+    return (
+        f"{config.muon_coefficient_type} x {config.muon_num_ns_steps} Newton-Schulz steps in {config.muon_ns_dtype} "
+        f"({ns_algorithm_text(config)}), TP mode {config.muon_tp_mode}"
+    )
+
+
 RULE = UpdateRule(
     name="muon",
     storage=WHOLE,
@@ -690,4 +709,5 @@ RULE = UpdateRule(
     elementwise=scalar_rule,
     splits_qkv=splits_qkv,
     tp_variant="muon_tp",
+    describe=describe,
 )

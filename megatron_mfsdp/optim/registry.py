@@ -17,10 +17,19 @@ import functools
 from collections.abc import Sequence
 
 from ..placement.rules import ELEMENTWISE, LAYOUTS, MATRIX, ROLES, SLICE, WHOLE, RuleKind, RuleSet
-from . import adamw, muon, muon_even, muon_tp, sgd
+from . import adamw, adaptive_muon, muon, muon_even, muon_tp, sgd, shampoo, soap
 from .rule import CostContext, UpdateRule
 
-_ENTRIES: tuple[UpdateRule, ...] = (muon.RULE, muon_tp.RULE, adamw.RULE, sgd.RULE, muon_even.RULE)
+_ENTRIES: tuple[UpdateRule, ...] = (
+    muon.RULE,
+    muon_tp.RULE,
+    adamw.RULE,
+    sgd.RULE,
+    muon_even.RULE,
+    shampoo.RULE,
+    adaptive_muon.RULE,
+    soap.RULE,
+)
 RULES: dict[str, UpdateRule] = {}
 
 
@@ -122,13 +131,35 @@ def settings_of(rule: UpdateRule, config):
     return getattr(config, "rule_settings", {}).get(rule.name) or rule.settings()
 
 
+def describe(config) -> str:
+    """The rules ``config`` runs and their settings, for the start-up line."""
+
+    def account(rule: UpdateRule) -> str:
+        if rule.describe is not None:
+            return rule.describe(config)
+        settings = settings_of(rule, config)
+        if settings is None:
+            return "Megatron's optimizer flags"
+        return ", ".join(f"{f.name} {getattr(settings, f.name)}" for f in dataclasses.fields(settings))
+
+    main, elementwise = optimizer_rule(config.optimizer), elementwise_rule(config)
+    text = f"{main.name} ({account(main)})"
+    return text if elementwise is main else f"{text} on matrices, {elementwise.name} on the rest"
+
+
+def setting_dest(rule: UpdateRule, field: str) -> str:
+    """The parsed-flags attribute of a rule's setting: the field's name, prefixed with the rule's name
+    unless it already is (``soap_shampoo_beta`` stays; each matrix rule's ``tp_mode`` is ``soap_tp_mode``...)."""
+    return field if field.startswith(rule.name + "_") else f"{rule.name}_{field}"
+
+
 def settings_from_args(args) -> dict[str, object]:
-    """Each rule's settings from parsed flags of its fields' names (the dests of their flags)."""
+    """Each rule's settings from parsed flags (:func:`setting_dest` of each field)."""
     out = {}
     for rule in _ENTRIES:
         if rule.settings is not None:
-            fields = dataclasses.fields(rule.settings)
-            out[rule.name] = rule.settings(**{f.name: getattr(args, f.name) for f in fields if hasattr(args, f.name)})
+            values = {f.name: getattr(args, setting_dest(rule, f.name)) for f in dataclasses.fields(rule.settings)}
+            out[rule.name] = rule.settings(**{k: v for k, v in values.items()})
     return out
 
 

@@ -127,6 +127,8 @@ class UpdateRule:
     TP rank (an exact TP mode), rather than of its TP-local shard."""
     even: UpdateRule | None = None  # its --mfsdp-layout even variant, registered with it (matrix.py)
     family: str | None = None  # the rule whose settings this variant shares (an even or TP variant's)
+    describe: Callable[[object], str] | None = None
+    """Its settings under an optimizer config, for the start-up line; None: its settings' fields."""
 
     def init_state(self, piece: OwnedPiece, settings) -> dict[str, torch.Tensor]:
         if callable(self.state):

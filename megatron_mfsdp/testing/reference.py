@@ -74,23 +74,23 @@ def reference_step(model, config, opt_config, grads: dict, state: dict, step: in
     for n, p in model.named_parameters():
         placed = rules.classify(n, p.shape)
         rule = registry.rule_for(placed, rules.storage(placed), opt_config)
+        split = qkv_rows if n.endswith("linear_qkv.weight") and rule.splits_qkv(opt_config) else None
         if rule.name == "muon":
-            split = qkv_rows if n.endswith("linear_qkv.weight") else None
             _muon_blocks_step(p, grads[n], state.setdefault(n, {}), opt_config, split, muon_blocks)
         else:
-            _rule_step(rule, p, n, grads[n], state.setdefault(n, {}), opt_config, step)
+            _rule_step(rule, p, n, grads[n], state.setdefault(n, {}), opt_config, step, split)
 
 
-def _rule_step(rule, p, name, grad, state, opt_config, step: int) -> None:
+def _rule_step(rule, p, name, grad, state, opt_config, step: int, split_rows=None) -> None:
     """One step of ``rule`` on the whole parameter (flat for an elementwise rule, as a slice of it is),
-    its state kept in ``state`` from step to step."""
+    its state kept in ``state`` from step to step; ``split_rows``: Q, K and V updated apart."""
     from ..optim import registry
     from ..optim.optimizer import no_weight_decay
     from ..optim.rule import OwnedPiece, StepContext
     from ..placement.rules import WHOLE
 
     shape = tuple(p.shape) if rule.storage == WHOLE else (p.numel(),)
-    piece = OwnedPiece(name, name, rule.name, p.numel(), 0, p.data.view(shape), grad.view(shape))
+    piece = OwnedPiece(name, name, rule.name, p.numel(), 0, p.data.view(shape), grad.view(shape), split_rows=split_rows)
     settings = registry.settings_of(rule, opt_config)
     if not state:
         state.update(rule.init_state(piece, settings))

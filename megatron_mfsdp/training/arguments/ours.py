@@ -106,12 +106,12 @@ def add_rule_args(p: argparse.ArgumentParser) -> None:
             continue
         g = p.add_argument_group(f"{rule.name} ({(rule.settings.__doc__ or '').strip().splitlines()[0]})")
         for f in dataclasses.fields(rule.settings):
-            _add_setting(g, f)
+            _add_setting(g, f, registry.setting_dest(rule, f.name))
 
 
-def _add_setting(g, f) -> None:
-    flag, meta = f.metadata.get("flag", "--" + f.name.replace("_", "-")), f.metadata
-    kwargs = dict(dest=f.name, default=f.default, help=meta.get("help"))
+def _add_setting(g, f, dest: str) -> None:
+    flag, meta = f.metadata.get("flag", "--" + dest.replace("_", "-")), f.metadata
+    kwargs = dict(dest=dest, default=f.default, help=meta.get("help"))
     if isinstance(f.default, bool):
         g.add_argument(flag, action=argparse.BooleanOptionalAction, **kwargs)
     elif "choices" in meta:

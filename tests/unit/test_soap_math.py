@@ -1,0 +1,307 @@
+"""SOAP's math on one matrix (megatron_mfsdp/optim/soap.py) against pytorch_optimizer 4.1.0's SOAP
+(kozistr; Vyas et al.'s reference code) and a float64 formula of KL-Shampoo.
+
+pytorch_optimizer's SOAP is the paper's code, not Emerging-Optimizers' (Megatron-LM's) variant that
+ours follows. The differences, and how the tests line them up:
+
+- Its first call only starts the factors and the eigh basis (no update), and each later call uses the
+  basis of the gradients before its own (refreshed after the update); ours (Megatron-LM's) updates the
+  factors and the basis first, then steps. With no refresh (``precondition_frequency`` past the run)
+  the basis is the first gradient's in both: feeding it [G1, G1, G2, ...] against our [G1, G2, ...]
+  makes its update k ours (:func:`test_fixed_basis_matches_pytorch_optimizer`). With refreshes the
+  order cannot be lined up through ``step()``, so :func:`test_refresh_matches_pytorch_optimizer_parts`
+  runs Megatron-LM's order on pytorch_optimizer's own parts (factor update, eigh, sorted QR refresh,
+  projections); only the Adam lines and the order are the test's.
+- It adds eps to sqrt(v) before its bias correction (folded into the step size); ours to sqrt(v_hat).
+  The tests pass it eps * sqrt(1 - beta2^k) per step, the same number.
+- Its shampoo beta is not bias-corrected: with shampoo beta 0 its first factor is G1 G1^T exactly, as
+  our bias-corrected one; later factors differ by a scalar (1 - beta^t), which moves no eigenvector.
+- It has no KL-Shampoo: :func:`test_kl_shampoo_step_matches_float64_formula` checks ours against the
+  formula of one step written out in float64 (Emerging-Optimizers v0.3.0 soap.py
+  update_kronecker_factors_kl_shampoo, read for the math).
+- Its weight decay comes after the update, ours (the shell's) before: weight decay 0 here; the
+  shell's decay is tested with the rule (tests/distributed/test_soap_rule.py).
+- eps is 1e-4 in the comparisons with it (Megatron-LM's is 1e-8): at step 1 the basis is the
+  gradient's singular vectors, so ``Q_L^T G Q_R`` is diagonal but for fp32 rounding, which Adam divides
+  by ``|rounding| + eps``; at 1e-8 that part of the first update is O(1) and depends on the op order
+  (:func:`test_first_step_normalises_rounding`); at 1e-4 it is below 1e-2 per entry, and the two
+  implementations' first updates differ by less than FIRST_TOL.
+
+Tolerances: max |ours - theirs| <= tol * max |theirs|, fp32, updates O(1) to O(50). Step 1 of the
+fixed-basis run: FIRST_TOL (measured up to 2.7e-4, the rounding above); every other step: TOL
+(measured up to 2.9e-6; the refresh runs on pytorch_optimizer's parts measured bitwise equal). The
+KL-Shampoo float64 formula: TOL (measured up to 1.7e-6 on a well-conditioned state; plain factors
+there, the negative control, differ by 2e-3).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from pytorch_optimizer import SOAP
+from torch.utils.flop_counter import FlopCounterMode
+
+from megatron_mfsdp.optim import soap
+from megatron_mfsdp.optim.rule import CostContext
+from megatron_mfsdp.testing import optimizer_config
+
+BETA1, BETA2, EPS, STEPS = 0.9, 0.95, 1e-4, 5
+MEGATRON_EPS = 1e-8  # --adam-eps's default
+TOL, FIRST_TOL = 2e-5, 1e-3
+SHAPES = [(48, 32), (32, 64)]
+KINDS = ["random", "low_rank"]
+
+
+def _grads(shape, kind: str, steps: int = STEPS, seed: int = 0) -> list[torch.Tensor]:
+    """Gradients of scale 1e-2: Gaussian, or rank 2 plus 1% noise."""
+    g = torch.Generator().manual_seed(seed + 1000 * shape[0] + shape[1])
+    out = []
+    for _ in range(steps):
+        noise = torch.randn(shape, generator=g) * 1e-2
+        if kind == "low_rank":
+            noise = torch.randn(shape[0], 2, generator=g) @ torch.randn(2, shape[1], generator=g) * 1e-2 + noise * 1e-2
+        out.append(noise)
+    return out
+
+
+def _hyper(beta1=BETA1, beta2=BETA2, eps=EPS, **settings) -> soap.SoapStep:
+    return soap.SoapStep(soap.SoapSettings(**settings), beta1, beta2, eps)
+
+
+def _ours(grads, hyper: soap.SoapStep) -> list[torch.Tensor]:
+    state = soap.init(grads[0].shape, hyper.settings)
+    return [soap.direction(g.clone(), state, hyper, t) for t, g in enumerate(grads, 1)]
+
+
+def _rels(ours: list[torch.Tensor], theirs: list[torch.Tensor]) -> list[float]:
+    """Per step: max |ours - theirs| / max |theirs|."""
+    return [float((a - b).abs().max() / b.abs().max()) for a, b in zip(ours, theirs)]
+
+
+def _rel(ours: list[torch.Tensor], theirs: list[torch.Tensor]) -> float:
+    return max(_rels(ours, theirs))
+
+
+def _theirs_fixed_basis(grads, max_dim: int) -> list[torch.Tensor]:
+    """pytorch_optimizer's updates (lr 1, no decay) for [G1, G1, G2, ...], no refresh in the run."""
+    p = torch.nn.Parameter(torch.zeros(grads[0].shape))
+    opt = SOAP([p], lr=1.0, betas=(BETA1, BETA2), shampoo_beta=0.0, weight_decay=0.0, eps=EPS)
+    opt.param_groups[0].update(precondition_frequency=10 * STEPS, max_precondition_dim=max_dim)
+    p.grad = grads[0].clone()
+    opt.step()  # its first call: factors and eigh basis, no update
+    assert torch.equal(p.detach(), torch.zeros_like(p))
+    out = []
+    for k, g in enumerate(grads, 1):
+        opt.param_groups[0]["eps"] = EPS * (1 - BETA2**k) ** 0.5
+        before, p.grad = p.detach().clone(), g.clone()
+        opt.step()
+        out.append(before - p.detach())
+    return out
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("max_dim", [10000, 40])
+def test_fixed_basis_matches_pytorch_optimizer(shape, kind, max_dim):
+    """With the basis fixed at the first step's eigh (no refresh in the run; a side above ``max_dim``
+    keeps the identity in both), every update is pytorch_optimizer's; a wrong beta2 is not."""
+    grads = _grads(shape, kind)
+    theirs = _theirs_fixed_basis(grads, max_dim)
+    frozen = dict(soap_precondition_frequency=10 * STEPS, soap_max_precond_dim=max_dim, soap_use_kl_shampoo=False)
+    rels = _rels(_ours(grads, _hyper(**frozen)), theirs)
+    assert rels[0] <= FIRST_TOL and max(rels[1:]) <= TOL, rels
+    assert min(_rels(_ours(grads, _hyper(beta1=0.5, **frozen)), theirs)[1:]) > 100 * TOL  # negative control
+
+
+def _theirs_in_our_order(grads, frequency: int, shampoo_beta: float) -> list[torch.Tensor]:
+    """Megatron-LM's order of a step on pytorch_optimizer's parts: its factor update (the shampoo beta
+    bias-corrected through its state), eigh at step 1, its sorted QR refresh (which permutes the
+    second moment), its projections; the first moment rotated to each new basis."""
+    p = torch.nn.Parameter(torch.zeros(grads[0].shape))
+    opt = SOAP([p], lr=1.0, betas=(BETA1, BETA2), eps=EPS, precondition_frequency=frequency)
+    state = {"exp_avg_sq": torch.zeros(grads[0].shape)}
+    opt.init_pre_conditioner(grads[0], state, precondition_frequency=frequency)
+    exp_avg, out = torch.zeros(grads[0].shape), []
+    for t, g in enumerate(grads, 1):
+        refresh = t > 1 and (t - 1) % frequency == 0
+        if refresh:
+            exp_avg = opt.project(exp_avg, state, project_type="backward")
+        state["shampoo_beta"] = soap.shampoo_beta(shampoo_beta, t)
+        opt.update_pre_conditioner(g, state, step=t - 1)
+        if refresh:
+            exp_avg = opt.project(exp_avg, state)
+        projected = opt.project(g, state)
+        exp_avg.lerp_(projected, 1 - BETA1)
+        state["exp_avg_sq"].lerp_(projected.square(), 1 - BETA2)
+        m_hat, v_hat = exp_avg / (1 - BETA1**t), state["exp_avg_sq"] / (1 - BETA2**t)
+        out.append(opt.project(m_hat / (v_hat.sqrt() + EPS), state, project_type="backward"))
+    return out
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("frequency", [1, 2])
+def test_refresh_matches_pytorch_optimizer_parts(shape, kind, frequency):
+    """Refreshing every step (Megatron-LM) or every other one, plain Shampoo factors: ours equals
+    Megatron-LM's order run on pytorch_optimizer's parts; a wrong shampoo beta there does not."""
+    grads = _grads(shape, kind, seed=1)
+    ours = _ours(grads, _hyper(soap_precondition_frequency=frequency, soap_use_kl_shampoo=False))
+    rel = _rel(ours, _theirs_in_our_order(grads, frequency, 0.95))
+    assert rel <= TOL, rel
+    assert max(_rels(ours, _theirs_in_our_order(grads, frequency, 0.5))[1:]) > 100 * TOL  # negative control
+
+
+def _conditioned_state(shape, max_dim: int, seed: int) -> dict[str, torch.Tensor]:
+    """A state as after a few steps, well conditioned: SPD factors, bases near their eigenvectors."""
+    g = torch.Generator().manual_seed(seed)
+    state = soap.init(shape, soap.SoapSettings(soap_max_precond_dim=max_dim))
+    for factor, basis in soap.SIDES:
+        if factor in state:
+            d = state[factor].shape[0]
+            x = torch.randn(d, 3 * d, generator=g)
+            state[factor].copy_(x @ x.T / (3 * d) + 0.1 * torch.eye(d))
+            rough = state[factor] + 0.05 * torch.randn(d, d, generator=g)
+            state[basis].copy_(torch.linalg.eigh((rough + rough.T) / 2).eigenvectors.flip(-1))
+    state["exp_avg"].copy_(torch.randn(shape, generator=g) * 1e-2)
+    state["exp_avg_sq"].copy_(torch.rand(shape, generator=g) * 1e-4)
+    return state
+
+
+def _kl_step_float64(grad, state, t: int, shampoo_beta: float = 0.95) -> torch.Tensor:
+    """One KL-Shampoo SOAP step written out in float64: corrections Q diag(1 / (dim max(l, eps))) Q^T,
+    the bias-corrected EMA, a sorted QR refresh, Adam with bias correction, projected back."""
+    G, s = grad.double(), {k: v.double() for k, v in state.items()}
+    m, n = G.shape
+    eye = {"L": torch.eye(m, dtype=torch.float64), "R": torch.eye(n, dtype=torch.float64)}
+    qs = {"L": s.get("Q_L", eye["L"]), "R": s.get("Q_R", eye["R"])}
+
+    def correction(side: str, dim: int) -> torch.Tensor:
+        if side not in s:
+            return eye[side] / dim
+        lam = torch.diag(qs[side].T @ s[side] @ qs[side])
+        return qs[side] @ torch.diag(1 / (dim * lam.clamp_min(MEGATRON_EPS))) @ qs[side].T
+
+    beta = 1 - (1 - shampoo_beta) / (1 - shampoo_beta**t)
+    factors = {"L": G @ correction("R", n) @ G.T, "R": G.T @ correction("L", m) @ G}
+    factors = {k: beta * s[k] + (1 - beta) * v for k, v in factors.items() if k in s}
+    momentum, second = qs["L"] @ s["exp_avg"] @ qs["R"].T, s["exp_avg_sq"]
+    for axis, side in enumerate(("L", "R")):
+        if side in factors:
+            order = torch.argsort(torch.diag(qs[side].T @ factors[side] @ qs[side]), descending=True)
+            second = second.index_select(axis, order)
+            qs[side] = torch.linalg.qr(factors[side] @ qs[side][:, order]).Q
+    projected = qs["L"].T @ G @ qs["R"]
+    momentum = BETA1 * (qs["L"].T @ momentum @ qs["R"]) + (1 - BETA1) * projected
+    second = BETA2 * second + (1 - BETA2) * projected**2
+    update = (momentum / (1 - BETA1**t)) / ((second / (1 - BETA2**t)).sqrt() + MEGATRON_EPS)
+    return qs["L"] @ update @ qs["R"].T
+
+
+@pytest.mark.parametrize("shape,max_dim", [((48, 32), 10000), ((32, 64), 10000), ((48, 32), 40)])
+def test_kl_shampoo_step_matches_float64_formula(shape, max_dim):
+    """A KL-Shampoo step (Megatron-LM's default) from a well-conditioned state equals its float64
+    formula, also with one side above --soap-max-precond-dim (its correction I / dim); plain Shampoo
+    factors (the negative control) do not."""
+    grad = _grads(shape, "random", steps=1, seed=2)[0]
+    expected = _kl_step_float64(grad, _conditioned_state(shape, max_dim, 3), t=4)
+    for kl, close in ((True, True), (False, False)):
+        state = _conditioned_state(shape, max_dim, 3)
+        hyper = _hyper(eps=MEGATRON_EPS, soap_max_precond_dim=max_dim, soap_use_kl_shampoo=kl)
+        ours = soap.direction(grad, state, hyper, 4)
+        rel = _rel([ours.double()], [expected])
+        assert (rel <= TOL) == close, (kl, rel)
+
+
+def test_first_step_normalises_rounding():
+    """Step 1 (Megatron-LM's, ours): the bases are G's singular vectors, so Q_L^T G Q_R is diagonal but
+    for fp32 rounding, and Adam's first step is about sign(entry) wherever |entry| >> eps: with eps 1e-8
+    the rounding entries of the update's eigenbasis form come out O(0.1-1); with eps 1e-4 below 1e-2."""
+    grad = _grads((48, 32), "random", steps=1)[0]
+    off = ~torch.eye(48, 32, dtype=torch.bool)
+    for eps, low, high in ((MEGATRON_EPS, 0.1, 1.0), (1e-4, 0.0, 1e-2)):
+        hyper = _hyper(eps=eps)
+        state = soap.init((48, 32), hyper.settings)
+        update = soap.direction(grad, state, hyper, 1)
+        projected = state["Q_L"].T @ grad @ state["Q_R"]
+        assert projected[off].abs().max() < 1e-5 * projected.abs().max()  # diagonal but for rounding
+        in_basis = (state["Q_L"].T @ update @ state["Q_R"])[off].abs().max()
+        assert low < in_basis <= high, (eps, float(in_basis))
+
+
+def test_kl_weights_of_a_rank_deficient_factor():
+    """KL-Shampoo after step 1 of a 48 x 32 matrix: L = G G^T / (32 eps) has rank 32, so step 2 weights
+    its 16 null directions by 1 / (48 max(rounding, eps)), at least 1e5 times its range directions':
+    from step 2 on, rectangular matrices' factors follow fp32 rounding (Megatron-LM's SOAP too)."""
+    grad = _grads((48, 32), "random", steps=1)[0]
+    hyper = _hyper(eps=MEGATRON_EPS)
+    state = soap.init((48, 32), hyper.settings)
+    soap.direction(grad, state, hyper, 1)
+    expected = grad @ grad.T / (32 * MEGATRON_EPS)
+    assert (state["L"] - expected).abs().max() <= 1e-5 * expected.abs().max()
+    weights = soap.kl_weights(state, 0, 48, MEGATRON_EPS, grad)  # descending basis: range first
+    assert weights[32:].min() > 1e5 * weights[:32].max()
+
+
+def test_side_above_max_precond_dim_keeps_identity_basis():
+    """A side longer than --soap-max-precond-dim keeps no factor or basis; with both sides above it
+    SOAP is Adam (bias-corrected, eps outside the root) on the gradient itself."""
+    grads = _grads((48, 32), "random")
+    state = soap.init((48, 32), soap.SoapSettings(soap_max_precond_dim=40))
+    assert set(state) == {"exp_avg", "exp_avg_sq", "R", "Q_R"}
+    hyper = _hyper(soap_max_precond_dim=16)
+    state = soap.init((48, 32), hyper.settings)
+    m, v = torch.zeros(48, 32), torch.zeros(48, 32)
+    for t, g in enumerate(grads, 1):
+        m, v = BETA1 * m + (1 - BETA1) * g, BETA2 * v + (1 - BETA2) * g * g
+        adam = (m / (1 - BETA1**t)) / ((v / (1 - BETA2**t)).sqrt() + EPS)
+        assert torch.allclose(soap.direction(g, state, hyper, t), adam, rtol=1e-5, atol=1e-6)
+    assert set(state) == {"exp_avg", "exp_avg_sq"}
+
+
+def test_basis_stays_between_refreshes():
+    """--soap-precondition-frequency 3: the bases change at steps 1 and 4 only (bitwise the same in
+    between), the factors every step."""
+    hyper = _hyper(soap_precondition_frequency=3)
+    state = soap.init((48, 32), hyper.settings)
+    changed = []
+    for t, g in enumerate(_grads((48, 32), "random", steps=7), 1):
+        before = {k: v.clone() for k, v in state.items()}
+        soap.direction(g, state, hyper, t)
+        changed.append({k for k in state if not torch.equal(before[k], state[k])})
+    assert [("Q_L" in c, "Q_R" in c) for c in changed] == [(t in (1, 4, 7),) * 2 for t in range(1, 8)]
+    assert all({"L", "R", "exp_avg", "exp_avg_sq"} <= c for c in changed)
+
+
+def _matmul_multiply_adds(fn, *args) -> int:
+    with FlopCounterMode(display=False) as counter:
+        fn(*args)
+    return counter.get_total_flops() // 2
+
+
+@pytest.mark.parametrize("kl", [True, False])
+@pytest.mark.parametrize("shape,max_dim", [((48, 32), 10000), ((32, 64), 10000), ((48, 32), 40)])
+def test_planner_cost_counts_the_products(shape, kl, max_dim):
+    """step_multiply_adds is what direction's matrix products count (torch's FlopCounterMode) plus
+    the QR estimates; cost amortises the refresh over the frequency; state_bytes is the state's bytes."""
+    settings = soap.SoapSettings(soap_use_kl_shampoo=kl, soap_precondition_frequency=2, soap_max_precond_dim=max_dim)
+    hyper, state = soap.SoapStep(settings, BETA1, BETA2, EPS), soap.init(shape, settings)
+    every, refresh = soap.step_multiply_adds(shape, settings)
+    qr = sum(soap.qr_multiply_adds(d) for d, side in zip(shape, ("L", "R")) if side in state)
+    counted = [
+        _matmul_multiply_adds(soap.direction, g, state, hyper, t) for t, g in enumerate(_grads(shape, "random"), 1)
+    ]
+    assert counted[1] == counted[3] == every  # steps 2 and 4: no refresh
+    assert counted[2] == counted[4] == every + refresh - qr  # steps 3 and 5: a QR refresh
+    config = optimizer_config(optimizer="soap", rule_settings={"soap": settings})
+    assert soap.cost(shape, None, CostContext(config)) == every + refresh // 2
+    assert soap.state_bytes(shape, CostContext(config)) == sum(4 * v.numel() for v in state.values())
+
+
+def test_settings_refused_with_their_flag():
+    for field, value, flag in (
+        ("soap_shampoo_beta", 1.0, "--soap-shampoo-beta"),
+        ("soap_precondition_frequency", 0, "--soap-precondition-frequency"),
+        ("soap_max_precond_dim", 0, "--soap-max-precond-dim"),
+    ):
+        with pytest.raises(ValueError, match=flag):
+            soap.SoapSettings(**{field: value})
