@@ -17,7 +17,7 @@ import functools
 from collections.abc import Sequence
 
 from ..placement.rules import ELEMENTWISE, LAYOUTS, MATRIX, ROLES, SLICE, WHOLE, RuleKind, RuleSet
-from . import adamw, adaptive_muon, muon, muon_even, muon_tp, sgd, shampoo, soap
+from . import adamw, adaptive_muon, lion, muon, muon_even, muon_tp, sgd, shampoo, soap
 from .rule import CostContext, UpdateRule
 
 _ENTRIES: tuple[UpdateRule, ...] = (
@@ -28,6 +28,7 @@ _ENTRIES: tuple[UpdateRule, ...] = (
     muon_even.RULE,
     shampoo.RULE,
     adaptive_muon.RULE,
+    lion.RULE,
     soap.RULE,
 )
 RULES: dict[str, UpdateRule] = {}
