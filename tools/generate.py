@@ -3,11 +3,14 @@
     python tools/generate.py --load CKPT --prompt "def main(" --max-new-tokens 32 --greedy
     python tools/generate.py --load CKPT --prompt-ids "1 2 3" --temperature 0.8 --top-p 0.9 --seed 7
     torchrun --nproc-per-node 2 tools/generate.py --load CKPT --prompt "a" --prompt "b" --greedy
+    torchrun --nproc-per-node 2 tools/generate.py --load CKPT --tensor-model-parallel-size 2 --prompt "a"
 
-Every process reads the whole model (dist_checkpointing reshards whatever layout saved it) and
-decodes its share of the prompts (round robin over the data-parallel ranks); rank 0 prints, per
-prompt, ``generated ids: ...`` and the decoded text. Text prompts use the tokenizer the
-checkpoint's stored --tokenizer-* flags describe (override them with the same flags).
+Decoding runs on megatron-core's KV cache (models/gpt/kv_cache.py), up to --batch-size prompts of
+any lengths together. Each process holds its --tensor-model-parallel-size shard of the model
+(dist_checkpointing reshards whatever layout saved it); the world size is TP x DP and the prompts
+are shared out round robin over the data-parallel ranks. Rank 0 prints, per prompt,
+``generated ids: ...`` and the decoded text. Text prompts use the tokenizer the checkpoint's
+stored --tokenizer-* flags describe (override them with the same flags).
 """
 
 import argparse
@@ -21,6 +24,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt", action="append", default=[], help="prompt text (repeatable)")
     p.add_argument("--prompt-ids", action="append", default=[], help='prompt token ids, e.g. "1 2 3" (repeatable)')
     p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument(
+        "--tensor-model-parallel-size", type=int, default=1, help="TP size to hold the model at (divides the world)"
+    )
+    p.add_argument("--batch-size", type=int, default=8, help="prompts decoded together on one KV cache")
     p.add_argument("--greedy", action="store_true", help="argmax decoding (ignores the sampling flags)")
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0: all)")
@@ -82,16 +89,57 @@ def _stop_ids(args, tokenizer) -> tuple:
         return ()
 
 
+def _decode(args, model, prompts, vocab, stop_ids) -> dict:
+    """{prompt index: new ids} of this data-parallel rank's prompts (round robin), in batches; empty
+    on TP ranks other than 0 (they decode the same prompts)."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_mfsdp.models.gpt.generate import generate
+
+    dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+    mine = [i for i in range(len(prompts)) if i % dp_size == dp_rank]
+    results = {}
+    for start in range(0, len(mine), args.batch_size):
+        batch = mine[start : start + args.batch_size]
+        new = generate(
+            model,
+            [prompts[i] for i in batch],
+            args.max_new_tokens,
+            vocab,
+            greedy=args.greedy,
+            temperature=args.temperature,
+            top_k=args.top_k,
+            top_p=args.top_p,
+            seeds=[args.seed + i for i in batch],
+            stop_ids=stop_ids,
+        )
+        results.update(zip(batch, new))
+    return results if ps.get_tensor_model_parallel_rank() == 0 else {}
+
+
+def _print_results(prompts, results, tokenizer) -> None:
+    for i, prompt in enumerate(prompts):
+        print(f"prompt ids: {' '.join(map(str, prompt))}")
+        print(f"generated ids: {' '.join(map(str, results[i]))}")
+        if tokenizer is not None:
+            print(f"generated text: {tokenizer.detokenize(results[i])}")
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    if args.batch_size < 1:
+        sys.exit(f"generate.py: error: --batch-size must be >= 1, got {args.batch_size}")
     import torch
     import torch.distributed as dist
 
-    from megatron_mfsdp.checkpoint.model_files import ensure_process_group, load_whole_model
-    from megatron_mfsdp.models.gpt.generate import generate
+    from megatron_mfsdp.checkpoint.model_files import ensure_process_group
+    from megatron_mfsdp.models.gpt.generate import load_model_shard
 
     owns_process_group = ensure_process_group()
-    stored, model = load_whole_model(args.load, args.ckpt_step)
+    try:
+        stored, model = load_model_shard(args.load, args.ckpt_step, args.tensor_model_parallel_size)
+    except ValueError as err:
+        sys.exit(f"generate.py: error: {err}")
     if torch.cuda.is_available():
         model.cuda()
     model.eval()
@@ -100,32 +148,11 @@ def main(argv=None) -> int:
     longest = max(len(p) for p in prompts) + args.max_new_tokens
     if longest > stored["max_position_embeddings"]:
         sys.exit(f"generate.py: error: prompt + --max-new-tokens = {longest} > {stored['max_position_embeddings']}")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    mine = {
-        i: generate(
-            model,
-            p,
-            args.max_new_tokens,
-            vocab,
-            greedy=args.greedy,
-            temperature=args.temperature,
-            top_k=args.top_k,
-            top_p=args.top_p,
-            seed=args.seed + i,
-            stop_ids=_stop_ids(args, tokenizer),
-        )
-        for i, p in enumerate(prompts)
-        if i % world == rank
-    }
-    gathered = [None] * world
+    mine = _decode(args, model, prompts, vocab, _stop_ids(args, tokenizer))
+    gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, mine)
-    if rank == 0:
-        results = {i: ids for part in gathered for i, ids in part.items()}
-        for i, prompt in enumerate(prompts):
-            print(f"prompt ids: {' '.join(map(str, prompt))}")
-            print(f"generated ids: {' '.join(map(str, results[i]))}")
-            if tokenizer is not None:
-                print(f"generated text: {tokenizer.detokenize(results[i])}")
+    if dist.get_rank() == 0:
+        _print_results(prompts, {i: ids for part in gathered for i, ids in part.items()}, tokenizer)
     dist.barrier()
     if owns_process_group:
         dist.destroy_process_group()

@@ -147,3 +147,12 @@ def test_link_bytes_benchmark_critical_path_near_the_mean_rank():
     out = _run("bench_link_bytes.py", "--world", "4")
     ratios = dict(re.findall(r"^RESULT W=4 order=(\w+) critical_over_mean=([\d.]+)$", out, re.M))
     assert set(ratios) == {"rank", "ring"} and all(1.0 <= float(v) <= 1.25 for v in ratios.values()), out[-2000:]
+
+
+def test_generate_benchmark_quick():
+    """bench_generate.py --quick: the full re-run and the KV cache give identical greedy tokens, and
+    batched prompts identical to one by one; the timings are the closing notes' (not asserted)."""
+    out = _run("bench_generate.py", "--quick")
+    result = dict(kv.split("=") for kv in re.search(r"^RESULT (.*)$", out, re.M).group(1).split())
+    assert result["identical"] == "True" and result["new_tokens"] == "16" and result["batch"] == "8", out[-2000:]
+    assert float(result["rerun_s"]) > 0 and float(result["kv_s"]) > 0 and float(result["batched_tokens_per_s"]) > 0

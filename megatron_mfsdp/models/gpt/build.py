@@ -77,11 +77,14 @@ class SDPAttention(MegatronModule):
             value = value.repeat_interleave(repeat, dim=2)
         # [s, b, h, d] -> [b, h, s, d]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+        # Attention passes no_mask when one new query reads a KV cache (megatron-core's static
+        # inference, transformer/attention.py: _adjust_key_value_for_inference at core_v0.16.1).
+        mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
         context = F.scaled_dot_product_attention(
             q,
             k,
             v,
-            is_causal=True,
+            is_causal=mask_type == AttnMaskType.causal,
             scale=self.softmax_scale,
             dropout_p=self.dropout_p if self.training else 0.0,
         )

@@ -1,10 +1,21 @@
-"""Autoregressive decoding with a whole (1 x 1 x 1) GPTModel: what tools/generate.py runs.
+"""Autoregressive decoding with megatron-core's GPTModel: what tools/generate.py runs.
 
-Each step re-runs the model on the whole sequence (no KV cache: short and exact, the same
-logits a training forward gives). Sampling follows Megatron-LM's text generation
-(megatron/core/inference/text_generation_controllers/text_generation_controller.py at
-core_v0.16.1): temperature divides the logits, top-k keeps the k largest, top-p keeps the most
-probable tokens until their probability passes p (the first token always stays).
+- :func:`generate`: batched prompts on megatron-core's KV cache (kv_cache.py), any TP size.
+  Batching follows megatron-core's static-batch loop (text_generation_controllers/
+  text_generation_controller.py: ``generate_all_output_tokens_static_batch`` at core_v0.16.1):
+  prompts are right-padded, the shortest prompt's length is prefilled at once, and from there each
+  step feeds one position of every row, the prompt's own token while a row is still inside its
+  prompt (the model's pick is dropped), else the token it generated. Each row sees its own tokens
+  at their own positions under the causal mask, so no padding mask is needed and each prompt
+  decodes as it would alone.
+- :func:`generate_rerun`: one prompt, re-running the whole sequence for every new token (no cache:
+  the logits a training forward gives). The reference the KV-cache path is tested against.
+- :func:`continuation_logprob`: an lm-evaluation-harness style score of a continuation.
+
+Sampling follows Megatron-LM's text generation (text_generation_controller.py at core_v0.16.1):
+temperature divides the logits, top-k keeps the k largest, top-p keeps the most probable tokens
+until their probability passes p (the first token always stays). Each prompt draws from its own
+generator (its seed), so what it samples does not depend on the other prompts of its batch.
 """
 
 from __future__ import annotations
@@ -12,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from ...compat.cpu import cuda_on_cpu
+from .kv_cache import KVCacheDecoder
 
 
 @torch.no_grad()
@@ -47,7 +59,7 @@ def choose(logits: torch.Tensor, greedy: bool, temperature: float, top_k: int, t
 
 
 @torch.no_grad()
-def generate(
+def generate_rerun(
     model,
     prompt: list[int],
     max_new_tokens: int,
@@ -60,7 +72,8 @@ def generate(
     seed: int = 1234,
     stop_ids: tuple[int, ...] = (),
 ) -> list[int]:
-    """The new token ids after ``prompt`` (at most ``max_new_tokens``; stops after a ``stop_ids`` token)."""
+    """The new token ids after ``prompt`` (at most ``max_new_tokens``; stops after a ``stop_ids``
+    token), each from a forward over the whole sequence so far (a whole, TP = 1 model)."""
     device = next(model.parameters()).device
     tokens = torch.tensor([prompt], dtype=torch.long, device=device)
     generator = torch.Generator(device=device).manual_seed(seed)
@@ -73,3 +86,143 @@ def generate(
         if new[-1] in stop_ids:
             break
     return new
+
+
+class _Sampler:
+    """The per-row choice of :func:`generate`: one argmax over the batch, or one draw per row
+    from that row's own generator (what the row would draw decoding alone)."""
+
+    def __init__(self, seeds, device, greedy, temperature, top_k, top_p):
+        self.greedy, self.settings = greedy, (temperature, top_k, top_p)
+        self.generators = [] if greedy else [torch.Generator(device=device).manual_seed(s) for s in seeds]
+
+    def __call__(self, logits: torch.Tensor, rows: list[int]) -> dict:
+        if self.greedy:
+            picks = logits.argmax(-1).tolist()
+            return {i: picks[i] for i in rows}
+        return {i: int(choose(logits[i : i + 1], False, *self.settings, self.generators[i])[0]) for i in rows}
+
+
+@torch.no_grad()
+def generate(
+    model,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    vocab_size: int,
+    *,
+    greedy: bool = True,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 0.0,
+    seeds: list[int] | None = None,
+    stop_ids: tuple[int, ...] = (),
+) -> list[list[int]]:
+    """Per prompt, its new token ids (at most ``max_new_tokens``; a row stops after a ``stop_ids``
+    token), all prompts decoded together on one KV cache; ``seeds[i]`` seeds prompt i's sampling
+    (default 1234 + i). Collective over the tensor-parallel group when the model is TP-split."""
+    if not prompts or not all(prompts):
+        raise ValueError("give at least one prompt, each with at least one token")
+    lengths = [len(p) for p in prompts]
+    if max_new_tokens <= 0:
+        return [[] for _ in prompts]
+    device = next(model.parameters()).device
+    total = max(lengths) + max_new_tokens
+    tokens = torch.zeros(len(prompts), total, dtype=torch.long, device=device)
+    for i, prompt in enumerate(prompts):
+        tokens[i, : len(prompt)] = torch.tensor(prompt, dtype=torch.long)
+    pick = _Sampler(seeds or [1234 + i for i in range(len(prompts))], device, greedy, temperature, top_k, top_p)
+    new, done = [[] for _ in prompts], [False] * len(prompts)
+    decoder = KVCacheDecoder(model, len(prompts), total)
+    logits = decoder.forward(tokens[:, : min(lengths)])[:, :vocab_size]
+    for position in range(min(lengths), total):
+        generating = [i for i in range(len(prompts)) if not done[i] and position >= lengths[i]]
+        for i, token in pick(logits, generating).items():
+            tokens[i, position] = token
+            new[i].append(token)
+            done[i] = len(new[i]) == max_new_tokens or token in stop_ids
+        if all(done):
+            break
+        logits = decoder.forward(tokens[:, position : position + 1])[:, :vocab_size]
+    return new
+
+
+@torch.no_grad()
+def continuation_logprob(model, context: list[int], continuation: list[int], vocab_size: int) -> tuple[float, bool]:
+    """(sum of log p(continuation token | everything before it), whether each continuation token is
+    the argmax): lm-evaluation-harness's ``loglikelihood`` on a causal LM (lm_eval/models/
+    huggingface.py: ``_loglikelihood_tokens`` feeds context + continuation but the last token and
+    takes a log-softmax over the model's vocabulary: here the ``vocab_size`` token rows, as the
+    Hugging Face export keeps by default)."""
+    if not context or not continuation:
+        raise ValueError("context and continuation need at least one token each")
+    device = next(model.parameters()).device
+    tokens = torch.tensor([context + continuation[:-1]], dtype=torch.long, device=device)
+    positions = torch.arange(tokens.shape[1], device=device)[None]
+    with cuda_on_cpu():
+        logits = model(tokens, positions, None)
+    logprobs = logits[0, -len(continuation) :, :vocab_size].float().log_softmax(-1)
+    target = torch.tensor(continuation, device=device)
+    total = logprobs.gather(-1, target[:, None]).sum()
+    return float(total), bool((logprobs.argmax(-1) == target).all())
+
+
+def load_model_shard(root: str, step: int | None = None, tp: int = 1) -> tuple[dict, torch.nn.Module]:
+    """(stored args, GPTModel at TP = ``tp`` x PP = 1 holding this rank's TP shard) of a torch_dist
+    checkpoint saved at any layout: dist_checkpointing reads the pieces of this shard only (the keys
+    are global, so it reshards). The world size must be a multiple of ``tp``; the other factor is
+    data parallel. Collective over the world (a one-rank gloo group is made if none exists)."""
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing
+
+    from ...checkpoint.model_files import EXTRA_STATE, CheckpointError, checkpoint_folder
+    from ...groups import initialize_model_parallel
+
+    folder, _ = checkpoint_folder(root, step)
+    common = dist_checkpointing.load_common_state_dict(folder)
+    if "args" not in common:
+        raise CheckpointError(f"{folder}/common.pt: no 'args' (the model settings travel there)")
+    args = dict(common["args"] if isinstance(common["args"], dict) else vars(common["args"]))
+    check_tensor_parallel(args, tp, dist.get_world_size())
+    initialize_model_parallel(tp, 1, create_gloo_process_groups=False)
+    model = _model_at_tp(args, tp)
+    sharded = {k: v for k, v in model.sharded_state_dict(prefix="").items() if not k.endswith(EXTRA_STATE)}
+    with cuda_on_cpu():
+        loaded = dist_checkpointing.load({"model": sharded}, folder)
+    missing = [k for k in model.load_state_dict(loaded["model"], strict=False).missing_keys if EXTRA_STATE not in k]
+    if missing:
+        raise CheckpointError(f"{folder}: no tensors for {missing}")
+    return args, model
+
+
+def check_tensor_parallel(args: dict, tp: int, world_size: int) -> None:
+    """Refuse a --tensor-model-parallel-size the model or the world cannot be split by, naming why."""
+    groups = args.get("num_query_groups") if args.get("group_query_attention") else None
+    sizes = {
+        "the world size": world_size,
+        "num_attention_heads": args.get("num_attention_heads"),
+        "num_query_groups": groups,
+        "ffn_hidden_size": args.get("ffn_hidden_size"),
+        "padded_vocab_size": args.get("padded_vocab_size"),
+    }
+    if tp < 1:
+        raise ValueError(f"--tensor-model-parallel-size must be >= 1, got {tp}")
+    for what, size in sizes.items():
+        if size is not None and size % tp:
+            raise ValueError(f"--tensor-model-parallel-size {tp} does not divide {what} ({size})")
+
+
+def _model_at_tp(args: dict, tp: int) -> torch.nn.Module:
+    """The stored model's GPTModel at TP = ``tp`` (local layer spec, stored dtype, no init)."""
+    from ...checkpoint.model_files import WHOLE_MODEL_OVERRIDES
+    from .build import build_gpt_model
+    from .config import gpt_model_kwargs, transformer_config_from_args
+    from .hf import MEGATRON_DEFAULTS
+
+    built = {**MEGATRON_DEFAULTS, **args, **WHOLE_MODEL_OVERRIDES, "tensor_model_parallel_size": tp}
+    return build_gpt_model(
+        transformer_config_from_args(built),
+        vocab_size=built["padded_vocab_size"],
+        max_sequence_length=built["max_position_embeddings"],
+        use_transformer_engine=False,
+        **gpt_model_kwargs(built),
+    )
