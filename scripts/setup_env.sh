@@ -5,6 +5,9 @@
 # (TORCH_INDEX, default https://download.pytorch.org/whl/cpu; its 2.13.0+cpu outranks PyPI's
 # 2.13.0): a plain `pip install torch` on Linux pulls the CUDA build and gigabytes of nvidia-*
 # wheels a CPU never uses. With a GPU, or TORCH_INDEX=pypi, PyPI's default build.
+# An index that does not answer within 10 s (an air-gapped machine, a registry proxy that only
+# serves PyPI) is named and skipped, so pip does not retry it for every package; pip then takes
+# torch==2.13.0 from what its own configuration reaches. TORCH_INDEX_CHECK=0 skips that check.
 # --dry-run prints the choice and the pip commands without running them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -22,6 +25,9 @@ if [ -z "${TORCH_INDEX:-}" ]; then
 fi
 if [ "$TORCH_INDEX" = pypi ]; then
     echo "setup_env: torch==$TORCH_VERSION from PyPI (its default build: CUDA on Linux)"
+    torch_source=()
+elif [ "${TORCH_INDEX_CHECK:-1}" != 0 ] && ! "$PYTHON" -c "import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=10)" "$TORCH_INDEX" >/dev/null 2>&1; then
+    echo "setup_env: $TORCH_INDEX does not answer: torch==$TORCH_VERSION from pip's own configuration instead (PyPI's build is CUDA on Linux unless pip finds a local CPU wheel; set TORCH_INDEX to a reachable CPU index)"
     torch_source=()
 else
     echo "setup_env: torch==$TORCH_VERSION, CPU build, from $TORCH_INDEX (no GPU found or TORCH_INDEX set; TORCH_INDEX=pypi for PyPI's CUDA build)"
