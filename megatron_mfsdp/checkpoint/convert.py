@@ -8,6 +8,11 @@ writes it:
   written at 1 x 1 x 1, which dist_checkpointing reshards when a run loads it at another layout;
 - ``hf``: a Hugging Face LlamaForCausalLM or GPT2LMHeadModel folder (safetensors, config.json and
   the tokenizer files when the source has them), mapped by models/gpt/hf.py.
+
+Megatron-LM's own loader and saver names (``LOADERS``, ``SAVERS``; tools/checkpoint/ at HEAD has
+loader_core/saver_core, with ``mcore`` its old spelling, and core_v0.16.1 also loader_llama_mistral,
+loader_legacy/saver_legacy and ``megatron``, the old spelling of legacy) are taken where they mean a
+format read or written here; ``resolve`` names the format and refuses the others with the reason.
 """
 
 from __future__ import annotations
@@ -35,6 +40,48 @@ TOKENIZER_FILES = (
 )
 TOKENIZER_SUBDIR = "tokenizer"
 DTYPE_FLAGS = {torch.bfloat16: {"bf16": True, "fp16": False}, torch.float16: {"bf16": False, "fp16": True}}
+
+
+_TORCH_DIST = "--ckpt-format torch_dist (Megatron-LM's layout: megatron-mfsdp's or Megatron-LM's own, any TP x PP x DP)"
+_HF = "a Hugging Face LlamaForCausalLM or GPT2LMHeadModel folder"
+_LEGACY = (
+    "Megatron-LM's legacy checkpoints (per-rank mp_rank_* files of its non-megatron-core models) are not {}; "
+    "convert them with Megatron-LM's own tools/checkpoint/convert.py to core (torch_dist) first"
+)
+# name -> (our loader, the format it means), or (None, why it is refused)
+LOADERS = {
+    "mfsdp": ("mfsdp", _TORCH_DIST),
+    "core": ("mfsdp", _TORCH_DIST + "; Megatron-LM's loader_core"),
+    "mcore": ("mfsdp", _TORCH_DIST + "; Megatron-LM's old name of core"),
+    "hf": ("hf", _HF),
+    "llama_mistral": (
+        "hf",
+        _HF + " (Megatron-LM core_v0.16.1's loader_llama_mistral with --checkpoint-type hf; a Mistral "
+        "folder is refused by the hf loader, naming its model_type)",
+    ),
+    "legacy": (None, _LEGACY.format("read")),
+    "megatron": (None, _LEGACY.format("read") + " (megatron is core_v0.16.1's old name of legacy)"),
+}
+SAVERS = {
+    "mfsdp": ("mfsdp", _TORCH_DIST),
+    "core": ("mfsdp", _TORCH_DIST + "; Megatron-LM's saver_core"),
+    "mcore": ("mfsdp", _TORCH_DIST + "; Megatron-LM's old name of core"),
+    "hf": ("hf", _HF),
+    "legacy": (None, _LEGACY.format("written")),
+    "megatron": (None, _LEGACY.format("written") + " (megatron is core_v0.16.1's old name of legacy)"),
+}
+
+
+def resolve(kind: str, name: str) -> tuple[str, str]:
+    """(our loader or saver, the format it means) of a --loader/--saver ``name`` (``kind``: loader or
+    saver); a name we cannot honour raises ConversionError with the reason."""
+    table = LOADERS if kind == "loader" else SAVERS
+    if name not in table:
+        raise hf.ConversionError(f"--{kind} {name!r}: choose one of {', '.join(table)}")
+    ours, meaning = table[name]
+    if ours is None:
+        raise hf.ConversionError(f"--{kind} {name}: {meaning}")
+    return ours, meaning
 
 
 @dataclasses.dataclass
@@ -205,16 +252,33 @@ def save_mfsdp(loaded: Loaded, save_dir: str, tp: int = 1, pp: int = 1) -> str:
     return write_model_checkpoint(save_dir, args, tensors, loaded.iteration)
 
 
+def cast(loaded: Loaded, dtype: torch.dtype) -> Loaded:
+    """Floating tensors in ``dtype`` and the args' --bf16/--fp16 to match (Megatron-LM's loaders' --bf16 and
+    --fp16: load the weights in that dtype)."""
+    tensors = {k: v.to(dtype) if v.is_floating_point() else v for k, v in loaded.tensors.items()}
+    flags = DTYPE_FLAGS.get(dtype, {"bf16": False, "fp16": False})
+    return dataclasses.replace(loaded, args={**loaded.args, **flags}, tensors=tensors)
+
+
 def convert(loader: str, saver: str, load_dir: str, save_dir: str, **options) -> Loaded:
     """Run one conversion. ``options``: base_args, make_vocab_size_divisible_by (hf loader), step,
-    true_vocab_size (mfsdp loader), target_tp, target_pp (mfsdp saver), keep_vocab_padding (hf saver)."""
+    true_vocab_size (mfsdp loader), target_tp, target_pp (mfsdp saver), keep_vocab_padding (hf saver),
+    dtype (cast the loaded weights), tokenizer_dir (hf loader: where the tokenizer files are).
+    ``loader``/``saver`` may be Megatron-LM's names (``resolve``)."""
+    loader, saver = resolve("loader", loader)[0], resolve("saver", saver)[0]
     if loader == "hf":
         divisor = options.get("make_vocab_size_divisible_by") or 128
         loaded = load_hf(load_dir, options.get("base_args"), divisor)
+        if options.get("tokenizer_dir") is not None:  # Megatron-LM's --tokenizer-model: the tokenizer's folder
+            if not os.path.isdir(options["tokenizer_dir"]):
+                raise hf.ConversionError(f"--tokenizer-model {options['tokenizer_dir']}: not a folder")
+            loaded.tokenizer_dir = options["tokenizer_dir"]
     elif loader == "mfsdp":
         loaded = load_mfsdp(load_dir, options.get("step"), options.get("true_vocab_size"))
     else:
         raise hf.ConversionError(f"--loader {loader!r}: choose mfsdp or hf")
+    if options.get("dtype") is not None:
+        loaded = cast(loaded, options["dtype"])
     tp, pp = options.get("target_tp") or 1, options.get("target_pp") or 1
     if saver == "hf":
         if (tp, pp) != (1, 1):

@@ -185,6 +185,22 @@ def finish_save(root: str, iteration: int, tmp: str, entries: dict, fmt: str) ->
     return final, manifest
 
 
+def retire(root: str, previous: int | None, iteration: int, retain: int) -> str | None:
+    """--save-retain-interval (rank 0, after the save of ``iteration``): remove the checkpoint the tracker
+    named before it unless its iteration is a multiple of ``retain`` (Megatron-LM's save_checkpoint at
+    HEAD: only the latest save and every ``retain``-th survive; a symbolic link is left alone). A newer
+    ``previous`` is left alone too: the tracker never moves backwards here, so it still names that one.
+    Returns the removed folder."""
+    if not previous or previous >= iteration or previous % retain == 0:
+        return None
+    folder = iteration_dir(root, previous)
+    if os.path.islink(folder) or not os.path.isdir(folder):
+        return None
+    shutil.rmtree(folder)
+    print(f"  successfully deleted checkpoint from iteration {previous:7d} at {root}", flush=True)
+    return folder
+
+
 def publish(tmp: str, final: str) -> None:
     """Rename a finished temporary folder into place (replacing an older save of the same iteration)."""
     if os.path.exists(final):

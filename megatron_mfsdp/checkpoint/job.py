@@ -41,7 +41,7 @@ def common_state(args, iteration: int, scheduler, consumed: tuple[int, int], meg
         "args": args_plain,
         "checkpoint_version": ckpt_state.CHECKPOINT_VERSION,
         "iteration": iteration,
-        "num_floating_point_operations_so_far": 0,
+        "num_floating_point_operations_so_far": getattr(args, "num_floating_point_operations_so_far", 0),
         "mfsdp": {"layout": torch_dist.layout_sizes(groups), "megatron_ddp": megatron_ddp},
     }
     if scheduler is not None and not getattr(args, "no_save_optim", False):
@@ -103,8 +103,9 @@ class _Pending:
     """An asynchronous save: its writer thread (which writes and hashes this rank's files) and what
     finishes it."""
 
-    def __init__(self, request, save_dir: str, iteration: int, tmp: str):
+    def __init__(self, request, save_dir: str, iteration: int, tmp: str, retire=None):
         self.request, self.save_dir, self.iteration, self.tmp = request, save_dir, iteration, tmp
+        self.retire = retire
         self.error: BaseException | None = None
         self.entries: dict = {}
         self.started = time.perf_counter()
@@ -145,10 +146,24 @@ def _begin(save_dir: str, iteration: int) -> str:
 _LAST_SAVE: dict = {}  # rank 0: the bytes each rank wrote and hashed at this process's last save
 
 
-def _publish(save_dir: str, iteration: int, tmp: str, fmt: str, entries: dict) -> str:
+def _retire_settings(args) -> tuple[int, bool] | None:
+    """(--save-retain-interval, --log-progress), or None without --save-retain-interval."""
+    retain = getattr(args, "save_retain_interval", None)
+    return None if retain is None else (retain, bool(getattr(args, "log_progress", False)))
+
+
+def _publish(save_dir: str, iteration: int, tmp: str, fmt: str, entries: dict, retire=None) -> str:
     """Manifest of every rank's entries, rename into place, tracker (never backwards): collective.
-    Rank 0 keeps the largest rank's share for the save line and the time-out line."""
+    Rank 0 keeps the largest rank's share for the save line and the time-out line, and with
+    ``retire`` (:func:`_retire_settings`) removes the checkpoint the tracker named before, with
+    --log-progress saying so in progress.txt (Megatron-LM's _async_delete_checkpoint_impl at HEAD)."""
+    previous = files.read_tracker(save_dir) if dist.get_rank() == 0 else None
     final, manifest = files.finish_save(save_dir, iteration, tmp, entries, fmt)
+    if retire is not None and dist.get_rank() == 0 and files.retire(save_dir, previous, iteration, retire[0]):
+        if retire[1]:
+            from ..training.progress import append
+
+            append(save_dir, f"Deleted checkpoint\tIteration: {previous}", barrier=False)
     if manifest is not None:
         per_rank = integrity.rank_bytes(manifest["files"])
         rank, largest = max(per_rank.items(), key=lambda kv: (kv[1], -kv[0]))
@@ -174,21 +189,22 @@ def save_checkpoint(args, iteration: int, chunks, optimizer, scheduler, consumed
     if args.ckpt_format == "torch":
         entries, error = {}, None
         try:
-            state = local.rank_state(args, iteration, chunks, optimizer, scheduler, consumed)
+            layout = torch_dist.layout_sizes(_groups(chunks, groups))
+            state = local.rank_state(args, iteration, chunks, optimizer, scheduler, consumed, layout)
             entries = local.save_rank_file(tmp, state)
         except Exception as err:  # noqa: BLE001 - agreed below: no rank may wait alone in the gather
             error = f"writing {tmp}: {err}"
         integrity.agree(error)
-        final = _publish(args.save, iteration, tmp, "torch", entries)
+        final = _publish(args.save, iteration, tmp, "torch", entries, _retire_settings(args))
     else:
         state = build_state(args, iteration, chunks, optimizer, scheduler, consumed, groups)
         if getattr(args, "async_save", False):
             request = torch_dist.save_request(_host_snapshot(state), tmp)
-            _PENDING.append(_Pending(request, args.save, iteration, tmp))
+            _PENDING.append(_Pending(request, args.save, iteration, tmp, _retire_settings(args)))
             _PENDING[-1].returned_at = time.perf_counter()
             return files.iteration_dir(args.save, iteration)
         entries = torch_dist.save_state_dict(state, tmp)
-        final = _publish(args.save, iteration, tmp, "torch_dist", entries)
+        final = _publish(args.save, iteration, tmp, "torch_dist", entries, _retire_settings(args))
     _print0(
         f"  successfully saved checkpoint from iteration {iteration:7d} to {args.save} "
         f"[ {time.perf_counter() - start:.2f} s, {_shares()} ]"
@@ -196,12 +212,12 @@ def save_checkpoint(args, iteration: int, chunks, optimizer, scheduler, consumed
     return final
 
 
-def finalize_async_save(blocking: bool = False) -> bool:
+def finalize_async_save(blocking: bool = False) -> int | None:
     """Finish an asynchronous save once every rank's writer is done (collective: one all-reduce of
-    (not done, failed); a failure on any rank stops every rank with its text). Returns whether one
-    was finished."""
+    (not done, failed); a failure on any rank stops every rank with its text). Returns the iteration
+    of the save it finished, or None."""
     if not _PENDING:
-        return False
+        return None
     pending = _PENDING[0]
     if blocking:
         pending.thread.join()
@@ -209,7 +225,7 @@ def finalize_async_save(blocking: bool = False) -> bool:
     state = torch.tensor(flags, dtype=torch.int64, device=integrity.collective_device())
     dist.all_reduce(state, op=dist.ReduceOp.MAX)
     if state[0].item():
-        return False
+        return None
     _PENDING.pop(0)
     if state[1].item():
         error = None if pending.error is None else f"writing {pending.tmp}: {pending.error}"
@@ -218,14 +234,14 @@ def finalize_async_save(blocking: bool = False) -> bool:
         except ValueError as err:
             raise RuntimeError(f"asynchronous save of iteration {pending.iteration} failed: {err}") from pending.error
     torch_dist.finish_request(pending.request)
-    _publish(pending.save_dir, pending.iteration, pending.tmp, "torch_dist", pending.entries)
+    _publish(pending.save_dir, pending.iteration, pending.tmp, "torch_dist", pending.entries, pending.retire)
     resumed, written = pending.returned_at - pending.started, pending.written_at - pending.started
     _print0(
         f"  successfully saved checkpoint from iteration {pending.iteration:7d} to {pending.save_dir} "
         f"(asynchronously: training resumed after {resumed:.4f} s, the write finished after {written:.4f} s; "
         f"{_shares()})"
     )
-    return True
+    return pending.iteration
 
 
 def _verified_folder(args, folder: str) -> dict:
@@ -311,7 +327,10 @@ def load_checkpoint(args, chunks, optimizer, scheduler, groups=None) -> dict | N
     """Load ``args.load`` (the tracker's iteration, or ``--ckpt-step``) into this job. Returns None
     when there is no checkpoint, else {'iteration', 'consumed_train', 'consumed_valid', 'args'}.
     Every file is checked against its checksum first; a checkpoint of another model shape, a
-    changed schedule (see resume.check_schedule) or a damaged file stops with the file named."""
+    changed schedule (see resume.check_schedule) or a damaged file stops with the file named.
+    'flops' is the floating-point operations of the training so far (Megatron-LM's
+    num_floating_point_operations_so_far; --log-progress), the checkpoint's even with --finetune or
+    --pretrained-checkpoint (load_checkpoint in megatron/training/checkpointing.py, HEAD and core_v0.16.1)."""
     target = files.load_target(args.load, args.ckpt_step)
     if target is None:
         return None
@@ -319,10 +338,12 @@ def load_checkpoint(args, chunks, optimizer, scheduler, groups=None) -> dict | N
     start = time.perf_counter()
     manifest = _verified_folder(args, folder)
     if manifest.get("format") == "torch":
-        common = local.load_rank_file(args, folder, chunks, optimizer, scheduler)
+        layout = torch_dist.layout_sizes(_groups(chunks, groups))
+        common = local.load_rank_file(args, folder, chunks, optimizer, scheduler, layout)
     else:
         common = _load_dist(args, folder, chunks, optimizer, scheduler, _groups(chunks, groups))
     saved = common["args"]
+    flops = common.get("num_floating_point_operations_so_far", 0)  # kept by --finetune too, as Megatron-LM does
     _print0(
         f"  successfully loaded checkpoint from {args.load} at iteration {iteration} "
         f"[ {time.perf_counter() - start:.2f} s ]"
@@ -332,6 +353,7 @@ def load_checkpoint(args, chunks, optimizer, scheduler, groups=None) -> dict | N
         "consumed_train": 0 if args.finetune else saved.get("consumed_train_samples", 0),
         "consumed_valid": 0 if args.finetune else saved.get("consumed_valid_samples", 0),
         "args": saved,
+        "flops": flops,
     }
 
 

@@ -50,9 +50,14 @@ SCHEDULE_KEYS += ("wd_incr_style", "wd_incr_steps")
 
 
 def apply_checkpoint_args(args, saved: dict) -> list[str]:
-    """--use-checkpoint-args: take the model's arguments from the checkpoint; returns what changed."""
+    """--use-checkpoint-args: take the model's arguments from the checkpoint; returns what changed.
+    --no-use-tokenizer-model-from-checkpoint-args keeps this run's --tokenizer-model (Megatron-LM's
+    load_args_from_checkpoint at HEAD)."""
     changed = []
+    keep_tokenizer = not getattr(args, "use_tokenizer_model_from_checkpoint_args", True)
     for key in MODEL_ARGS:
+        if keep_tokenizer and key == "tokenizer_model":
+            continue
         if key in saved and getattr(args, key, None) != saved[key]:
             changed.append(f"--{key.replace('_', '-')} {saved[key]}")
             setattr(args, key, saved[key])

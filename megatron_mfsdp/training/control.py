@@ -1,5 +1,6 @@
 """Run control: every rank launched with the same flags, when to stop (--exit-interval,
---exit-duration-in-mins, --exit-signal-handler), --profile (nsys or PyTorch profiler) and manual GC."""
+--exit-duration-in-mins, --exit-signal-handler on --exit-signal), --profile (nsys or PyTorch profiler)
+and manual GC."""
 
 from __future__ import annotations
 
@@ -54,8 +55,8 @@ class ExitControl:
     def __init__(self, args, start_time: float):
         self.args, self.start = args, start_time
         self.signal_received = False
-        if args.exit_signal_handler:
-            signal.signal(signal.SIGTERM, self._on_signal)
+        if args.exit_signal_handler:  # --exit-signal: a signal's name (arguments/types.py signal_name)
+            signal.signal(getattr(signal, getattr(args, "exit_signal", "SIGTERM")), self._on_signal)
 
     def _on_signal(self, signum, frame) -> None:
         self.signal_received = True
@@ -150,6 +151,13 @@ def manual_gc_start(args) -> None:
     if args.manual_gc:
         gc.disable()
         gc.collect()
+
+
+def manual_gc_eval(args, generation: int = 2) -> None:
+    """--manual-gc: a collection before each evaluation and one of generation 0 after it, unless
+    --no-manual-gc-eval (Megatron-LM's train loop, megatron/training/training.py at HEAD)."""
+    if args.manual_gc and args.manual_gc_eval:
+        gc.collect(generation)
 
 
 def manual_gc_step(args, iteration: int) -> None:

@@ -33,6 +33,17 @@ def print_datetime(string: str) -> None:
     print_rank0(f"[{string}] datetime: {datetime.datetime.now():%Y-%m-%d %H:%M:%S.%f} ")
 
 
+def set_logging_level(args) -> None:
+    """--logging-level, else $MEGATRON_LOGGING_LEVEL: the root logger's level (Megatron-LM's
+    setup_logging, megatron/training/initialize.py at HEAD)."""
+    import logging as py_logging
+
+    level = os.environ.get("MEGATRON_LOGGING_LEVEL")
+    level = args.logging_level if args.logging_level is not None else (int(level) if level else None)
+    if level is not None:
+        py_logging.getLogger().setLevel(level)
+
+
 def print_args(args, title: str = "arguments") -> None:
     """Megatron-LM's argument dump (_print_args in megatron/training/arguments.py at core_v0.16.1):
     rank 0 prints every argument, dotted to column 48, the lines sorted case-blind."""

@@ -123,6 +123,7 @@ class _Run:
         self.dp_rank, self.dp_size = group_rank(groups.dp), group_size(groups.dp)
         self.train = self.valid = self.test = None
         self.consumed_train = self.consumed_valid = 0
+        self.flops_so_far = 0.0  # floating-point operations of the iterations before this job (checkpoint)
 
     def iterators(self, args, dataset, start: int):
         from .batches import StepIterators
@@ -139,6 +140,7 @@ def _set_up(args):
     logging.print_rank0(connections)
     for notice in args.notices:
         logging.print_rank0(f"> notice: {notice}")
+    logging.set_logging_level(args)
     logging.print_args(args)  # Megatron-LM's dump of every argument, after its warnings
     schedule.init_microbatches(args)
     schedule.update_train_iters(args)
@@ -149,9 +151,7 @@ def _set_up(args):
     mode = backend(args)
     logging.print_rank0(
         f"> {mode}: TP={args.tensor_model_parallel_size} x PP={args.pipeline_model_parallel_size} x "
-        f"DP={args.data_parallel_size}, optimizer={args.optimizer}, muon: {args.muon_coefficient_type} x "
-        f"{args.muon_num_ns_steps} Newton-Schulz steps in {args.muon_ns_dtype} ({_ns_algorithm(args)}), "
-        f"TP mode {args.muon_tp_mode}, "
+        f"DP={args.data_parallel_size}, optimizer={args.optimizer}: {_optimizer_text(args)}, "
         f"micro-batches={args.num_microbatches}, padded vocab={args.padded_vocab_size}"
         + (_mfsdp_settings(args, chunks[0]) if mode == "matrix_fsdp" else "")
     )
@@ -166,17 +166,12 @@ def _set_up(args):
     return run, datasets, start
 
 
-def _ns_algorithm(args) -> str:
-    """--muon-ns-algorithm as it acts in this run (optim/muon.py auto_may_use_gram, uses_symmetric)."""
-    from ..optim.muon import NS_DTYPES, SYMMETRIC_MIN_ROWS, auto_may_use_gram
+def _optimizer_text(args) -> str:
+    """The rules --optimizer runs and their settings (optim/registry.py describe)."""
+    from ..optim import registry
+    from .setup import optimizer_config
 
-    algorithm = args.muon_ns_algorithm
-    if algorithm == "auto":
-        gram = auto_may_use_gram(NS_DTYPES[args.muon_ns_dtype])
-        algorithm = "auto: gram where it needs fewer flops" if gram else "auto: standard"
-    if args.muon_ns_algorithm != "standard" and not torch.cuda.is_available():
-        algorithm += f", symmetric products by block rows where the short side is >= {SYMMETRIC_MIN_ROWS}"
-    return algorithm
+    return registry.describe(optimizer_config(args))
 
 
 def _mfsdp_settings(args, chunk) -> str:
@@ -195,16 +190,38 @@ def _mfsdp_settings(args, chunk) -> str:
 def _maybe_load(args, run) -> int:
     from ..checkpoint import load_checkpoint
 
-    if not args.load:
-        return 0
-    loaded = load_checkpoint(args, run.chunks, run.optimizer, run.scheduler, run.groups)
+    loaded = load_checkpoint(args, run.chunks, run.optimizer, run.scheduler, run.groups) if args.load else None
+    if loaded is None and args.pretrained_checkpoint:
+        # Megatron-LM's rule (load_checkpoint, megatron/training/checkpointing.py at HEAD): no checkpoint in
+        # --load, so fine-tune from --pretrained-checkpoint (weights only, iteration 0).
+        logging.print_rank0(f"> no checkpoint in --load {args.load}: fine-tuning from {args.pretrained_checkpoint}")
+        loaded = _load_pretrained(args, run)
     if loaded is None:
+        if not args.load:
+            return 0
         if args.exit_on_missing_checkpoint:
             raise SystemExit(f"--load {args.load}: no checkpoint found and --exit-on-missing-checkpoint is set")
         logging.print_rank0(f"> no checkpoint found in {args.load}, starting from scratch")
         return 0
     run.consumed_train, run.consumed_valid = loaded["consumed_train"], loaded["consumed_valid"]
+    run.flops_so_far = loaded["flops"]
     return loaded["iteration"]
+
+
+def _load_pretrained(args, run) -> dict:
+    """--pretrained-checkpoint: its weights, as --finetune loads them (no optimizer, no generator states)."""
+    from argparse import Namespace
+
+    from ..checkpoint import load_checkpoint
+
+    pretrained = Namespace(**{**vars(args), "load": args.pretrained_checkpoint, "finetune": True, "ckpt_step": None})
+    loaded = load_checkpoint(pretrained, run.chunks, run.optimizer, run.scheduler, run.groups)
+    if loaded is None:
+        raise SystemExit(
+            f"--pretrained-checkpoint {args.pretrained_checkpoint}: no checkpoint found there"
+            + (f" (nor in --load {args.load})" if args.load else "")
+        )
+    return loaded
 
 
 class _Interval:
@@ -306,7 +323,9 @@ def _evaluate(args, run, writers, iteration: int, prefix: str, source, history=N
     if source is None or not args.eval_iters:
         return
     gbs, num_micro = schedule.current_batch(run.consumed_train)
+    control.manual_gc_eval(args)  # --no-manual-gc-eval turns these collections off (Megatron-LM's train)
     loss = steps.evaluate(args, run, source, num_micro)
+    control.manual_gc_eval(args, generation=0)
     if source is run.valid:
         run.consumed_valid += args.eval_iters * gbs
     logging.print_rank_last(logging.validation_lines(prefix, loss))
@@ -318,20 +337,24 @@ def _evaluate(args, run, writers, iteration: int, prefix: str, source, history=N
     writers.scalars(values, iteration, run.consumed_train)
 
 
-def _save(args, run, iteration: int, interval: _Interval) -> None:
+def _save(args, run, iteration: int, interval: _Interval) -> int:
     from ..checkpoint import save_checkpoint
 
     paused = time.perf_counter()
+    _finish_async_save(args, run, blocking=True)  # what save_checkpoint would do first, seen by --log-progress
     consumed = (run.consumed_train, run.consumed_valid)
+    args.num_floating_point_operations_so_far = run.progress.flops  # the checkpoint's common state keeps it
     save_checkpoint(args, iteration, run.chunks, run.optimizer, run.scheduler, consumed, run.groups)
+    run.progress.saved(iteration, run.consumed_train)
     interval.paused += time.perf_counter() - paused
+    return iteration
 
 
-def _finish_async_save(args, blocking: bool) -> None:
+def _finish_async_save(args, run, blocking: bool) -> None:
     if args.save and args.async_save:
         from ..checkpoint import finalize_async_save
 
-        finalize_async_save(blocking=blocking)
+        run.progress.async_saved(finalize_async_save(blocking=blocking))
 
 
 def _train(args, run, start_iteration: int, writers, start_time: float) -> dict:
@@ -342,7 +365,7 @@ def _train(args, run, start_iteration: int, writers, start_time: float) -> dict:
     exits, profiler = control.ExitControl(args, start_time), control.Profiler(args)
     control.manual_gc_start(args)
     interval = _Interval()
-    iteration = start_iteration
+    iteration = saved_at = start_iteration
     report_memory = True  # Megatron-LM's report_memory_flag: at log iterations until one past the first
     try:
         while iteration < args.train_iters:
@@ -354,6 +377,7 @@ def _train(args, run, start_iteration: int, writers, start_time: float) -> dict:
             loss, success, grad_norm, zeros, step_s = steps.train_step(args, run, iteration, num_micro)
             run.scheduler.step(increment=gbs)
             run.consumed_train += gbs
+            run.progress.add(logging.flops_per_iteration(args, gbs, args.padded_vocab_size))
             history["train"].append((iteration, loss))
             interval.add(loss, success, step_s)
             _record(args, run, writers, iteration, loss, gbs, grad_norm, zeros)
@@ -361,29 +385,33 @@ def _train(args, run, start_iteration: int, writers, start_time: float) -> dict:
                 _log(args, run, writers, timers, iteration, interval, gbs, (grad_norm, zeros), report_memory)
                 report_memory = report_memory and iteration <= start_iteration + 1
                 interval = _Interval()
-            if args.eval_interval and iteration % args.eval_interval == 0:
+            if args.eval_interval and iteration % args.eval_interval == 0 and _evaluating_from(args, iteration):
                 paused = time.perf_counter()
                 _evaluate(args, run, writers, iteration, f"iteration {iteration}", run.valid, history)
                 interval.paused += time.perf_counter() - paused
             profiler.after_step(iteration)  # nsys mode stops after iteration end's evaluation, before its save
             control.manual_gc_step(args, iteration)
-            _finish_async_save(args, blocking=False)
-            saved = args.save and iteration % args.save_interval == 0
-            if saved:
-                _save(args, run, iteration, interval)
+            _finish_async_save(args, run, blocking=False)
+            if args.save and iteration % args.save_interval == 0:
+                saved_at = _save(args, run, iteration, interval)
             reason = exits.reason(iteration, run.device)
             if reason is not None:
-                if args.save and not saved:
-                    _save(args, run, iteration, interval)
+                if args.save and saved_at != iteration:
+                    saved_at = _save(args, run, iteration, interval)
                 logging.print_datetime(reason)
                 break
     finally:  # a run that raises inside the window still closes the profiler (a pooled worker lives on)
         profiler.stop()
-    if args.save and iteration > start_iteration and iteration % args.save_interval:
+    if args.save and iteration > saved_at:  # once: an exit above may have saved this iteration already
         _save(args, run, iteration, interval)
-    _finish_async_save(args, blocking=True)
+    _finish_async_save(args, run, blocking=True)
     history["iteration"] = iteration
     return history
+
+
+def _evaluating_from(args, iteration: int) -> bool:
+    """--start-eval-at-iter: periodic evaluation from that iteration on (Megatron-LM's train loop)."""
+    return args.start_eval_at_iter is None or iteration >= args.start_eval_at_iter
 
 
 def _write_history(args, history) -> None:
@@ -419,6 +447,9 @@ def pretrain(args) -> dict:
     _checkpoint_args(args)
     run, (train_ds, valid_ds, test_ds), start_time = _set_up(args)
     start_iteration = _maybe_load(args, run)
+    from .progress import Progress
+
+    run.progress = Progress(args, run.flops_so_far)
     run.train = run.iterators(args, train_ds, run.consumed_train)
     run.valid, run.test = run.iterators(args, valid_ds, run.consumed_valid), run.iterators(args, test_ds, 0)
     writers = logging.Writers(args)

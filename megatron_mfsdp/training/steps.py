@@ -87,17 +87,27 @@ def train_step(args, run, iteration: int, num_microbatches: int):
     )
     loss = mean_loss(loss_dicts, run.groups, run.device)
     check_loss(args, iteration, loss, loss_dicts)
+    empty_unused_memory(args, 1)
     from ..compat.cpu import cuda_on_cpu
 
     start = time.perf_counter()
     with cuda_on_cpu():  # megatron-core's optimizers allocate on "cuda"
         success, grad_norm, zeros = run.optimizer.step()
     seconds = time.perf_counter() - start
+    empty_unused_memory(args, 2)
     if not success and args.check_for_nan_in_loss_and_grad and not args.fp16:
         raise RuntimeError(
             f"iteration {iteration}: the gradient norm is not finite; stopping (--check-for-nan-in-loss-and-grad is on)"
         )
     return loss, success, grad_norm, zeros, seconds
+
+
+def empty_unused_memory(args, level: int) -> None:
+    """--empty-unused-memory-level: release the CUDA caching allocator's unused blocks where Megatron-LM's
+    train_step and evaluate do (level 1 after each forward-backward, 2 also after the optimizer step;
+    megatron/training/training.py at HEAD). A no-op without CUDA (validation said so)."""
+    if args.empty_unused_memory_level >= level and torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 @torch.no_grad()
@@ -119,6 +129,7 @@ def evaluate(args, run, source, num_microbatches: int) -> float:
             forward_only=True,
         )
         losses.append(mean_loss(dicts, run.groups, run.device))
+        empty_unused_memory(args, 1)
     for chunk in run.chunks:
         chunk.train()
     return sum(losses) / len(losses)

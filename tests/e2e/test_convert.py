@@ -497,3 +497,80 @@ def test_trained_checkpoint_converts_and_transformers_loss_equals_our_validation
     )
     assert abs(losses[True] - logged) <= 2e-5 * max(1.0, abs(logged))
     assert losses[False] < losses[True]
+
+
+# ----------------------------------------------------------------------------------------
+# Megatron-LM's loader and saver names (tools/checkpoint/ at HEAD and core_v0.16.1)
+# ----------------------------------------------------------------------------------------
+
+
+def test_megatron_loader_and_saver_names_are_our_formats(tmp_path, capsys):
+    """Megatron-LM's llama_mistral loader (--checkpoint-type hf) -> core saver -> mcore loader -> hf saver
+    is the hf -> mfsdp -> hf round trip, bitwise, and each output line names the format behind the name."""
+    from safetensors.torch import load_file
+
+    hf_model = tiny_hf_model("llama_gqa_tied")
+    hf_model.save_pretrained(tmp_path / "hf")
+    word_tokenizer(VARIANTS["llama_gqa_tied"]["vocab_size"], tmp_path / "tok")
+    megatron = ["--model-type", "GPT", "--checkpoint-type", "hf", "--model-size", "llama3", "--max-queue-size", "50"]
+    first = ["--loader", "llama_mistral", "--saver", "core", "--load-dir", str(tmp_path / "hf")]
+    first += ["--save-dir", str(tmp_path / "core"), "--tokenizer-model", str(tmp_path / "tok")]
+    assert CONVERT.main([*megatron, *first]) == 0
+    out = capsys.readouterr().out
+    assert "note: --model-size llama3: the model is read from config.json" in out
+    assert "note: --max-queue-size: not needed here" in out
+    assert "converted llama_mistral [a Hugging Face LlamaForCausalLM or GPT2LMHeadModel folder (Megatron-LM" in out
+    assert "-> core [--ckpt-format torch_dist (Megatron-LM's layout" in out
+    args, _ = read_model_checkpoint(str(tmp_path / "core"))
+    assert args["tokenizer_type"] == "HuggingFaceTokenizer"  # the --tokenizer-model folder's files, carried along
+    assert os.path.isfile(os.path.join(args["tokenizer_model"], "tokenizer.json"))
+    back = ["--loader", "mcore", "--saver", "hf", "--load-dir", str(tmp_path / "core"), "--save-dir"]
+    assert CONVERT.main([*back, str(tmp_path / "back")]) == 0
+    assert "converted mcore [--ckpt-format torch_dist" in capsys.readouterr().out
+    expected, got = saved_tensors(hf_model), load_file(tmp_path / "back" / "model.safetensors")
+    assert sorted(got) == sorted(expected) and all(torch.equal(got[k], expected[k]) for k in expected)
+
+
+def test_megatron_bf16_flag_loads_the_weights_in_bf16(tmp_path, capsys):
+    hf_model = tiny_hf_model("llama_gqa_tied")
+    hf_model.save_pretrained(tmp_path / "hf")
+    flags = ["--loader", "hf", "--saver", "core", "--load-dir", str(tmp_path / "hf"), "--save-dir"]
+    assert CONVERT.main([*flags, str(tmp_path / "core"), "--bf16"]) == 0
+    args, tensors = read_model_checkpoint(str(tmp_path / "core"))
+    assert args["bf16"] and not args["fp16"]
+    weight = tensors["embedding.word_embeddings.weight"]
+    assert weight.dtype == torch.bfloat16
+    source = saved_tensors(hf_model)["model.embed_tokens.weight"]
+    assert torch.equal(weight[: source.shape[0]], source.to(torch.bfloat16))
+
+
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (["--loader", "legacy", "--saver", "core"], "--loader legacy: Megatron-LM's legacy checkpoints"),
+        (["--loader", "megatron", "--saver", "core"], "(megatron is core_v0.16.1's old name of legacy)"),
+        (["--loader", "core", "--saver", "legacy"], "--saver legacy: Megatron-LM's legacy checkpoints (per-rank"),
+        (
+            ["--loader", "llama_mistral", "--checkpoint-type", "meta", "--saver", "core"],
+            "--checkpoint-type meta: Meta's original checkpoint files are not read",
+        ),
+        (["--loader", "hf", "--saver", "core", "--target-expert-parallel-size", "2"], "no experts here"),
+    ],
+)
+def test_megatron_names_we_cannot_honour_are_refused_with_the_reason(flags, message, tmp_path, capsys):
+    assert CONVERT.main([*flags, "--load-dir", str(tmp_path / "in"), "--save-dir", str(tmp_path / "out")]) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_convert_help_says_what_each_name_reads_and_writes(capsys):
+    with pytest.raises(SystemExit):
+        CONVERT.main(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for phrase in (
+        "mfsdp, core and mcore read torch_dist",
+        "hf and llama_mistral a Hugging Face folder",
+        "legacy and megatron are refused",
+        "mfsdp, core and mcore write torch_dist",
+    ):
+        assert phrase in text, phrase

@@ -470,17 +470,69 @@ def test_unsupported_flags_at_their_harmless_values_parse():
     assert any(n.startswith("--expert-tensor-parallel-size: no experts") for n in args.notices)
 
 
-def test_megatron_flag_we_lack_is_named_as_such_and_others_as_unknown(capsys):
-    # A Megatron-LM 0.16.1 flag (megatron_lm_flags.txt) that is neither implemented nor listed above.
-    lacking = sorted(accepted.megatron_lm_flags() - set(build_parser()._option_string_actions))
-    parser_with_accepted = build_parser()
-    accepted.add_accepted_args(parser_with_accepted)
-    lacking = [f for f in lacking if f not in parser_with_accepted._option_string_actions]
-    assert lacking, "every Megatron-LM flag parses: this test needs another example"
-    err = _error(TINY + [lacking[0], "1"], capsys)
-    assert f"{lacking[0]}: Megatron-LM flag not supported by megatron-mfsdp yet" in err
+@pytest.mark.parametrize(
+    "typo,meant",
+    [
+        ("--use-matrix-fsd", "--use-matrix-fsdp"),  # ours
+        ("--tensor-model-paralel-size", "--tensor-model-parallel-size"),  # Megatron-LM's, implemented
+        ("--num-expert", "--num-experts"),  # Megatron-LM's, refused
+        ("--ckpt-fully-paralel-load", "--ckpt-fully-parallel-load"),  # Megatron-LM's, noticed
+    ],
+)
+def test_a_mistyped_flag_gets_the_closest_known_names(typo, meant, capsys):
+    err = _error(TINY + [typo, "2"], capsys)
+    assert f"unrecognized arguments: {typo} 2" in err and f"{typo}: did you mean {meant}" in err
+
+
+def test_an_unknown_flag_is_named_without_a_guess(capsys):
     err = _error(TINY + ["--bogus-flag"], capsys)
-    assert "unrecognized arguments: --bogus-flag (not Megatron-LM flags either" in err
+    assert "unrecognized arguments: --bogus-flag (not Megatron-LM flags either; see --help)" in err
+    assert "did you mean" not in err
+
+
+def test_every_flag_in_help_has_a_line_and_sits_in_megatron_lms_group():
+    """pretrain_gpt.py --help: no flag without help (suppressed ones aside); Megatron-LM's flags under
+    Megatron-LM's argument group titles, ours under one MatrixFSDP group, each update rule's settings in
+    a group of its own right after Megatron-LM's regularization group."""
+    import argparse
+
+    from megatron_mfsdp.training.arguments import flag_help, full_parser
+
+    parser = full_parser()
+    groups = accepted.megatron_lm_groups()
+    missing, misplaced = [], []
+    for group in parser._action_groups:
+        for action in group._group_actions:
+            if action.help == argparse.SUPPRESS:
+                continue
+            if not action.help:
+                missing.append(action.option_strings)
+            megatron = [groups[f] for f in action.option_strings if f in groups]
+            want = megatron[0] if megatron else (group.title if group in parser.rule_groups else flag_help.OURS)
+            if action.option_strings != ["-h", "--help"] and group.title != want:
+                misplaced.append((action.option_strings[0], group.title, want))
+    assert not missing, missing
+    assert not misplaced, misplaced
+    titles = [g.title for g in parser._action_groups if g._group_actions]
+    at = titles.index("regularization")
+    rules = [g.title for g in parser.rule_groups if g._group_actions]
+    assert titles[at + 1 : at + 1 + len(rules)] == rules
+    assert titles[-1] == flag_help.OURS
+    megatron_titles = [t for t in titles if t in flag_help.ORDER]
+    assert megatron_titles == sorted(megatron_titles, key=flag_help.ORDER.index)
+
+
+def test_help_prints_the_groups_and_the_notices(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        parse_args(["--help"])
+    assert exit_.value.code == 0
+    text = capsys.readouterr().out
+    for title in ("transformer configuration:", "regularization:", "checkpointing:", "MatrixFSDP (megatron-mfsdp"):
+        assert f"\n{title}" in text, title
+    flat = " ".join(text.split())
+    assert "--ckpt-fully-parallel-load accepted, with a start-up notice: each rank reads" in flat
+    assert "--num-experts" not in flat  # refused flags are hidden; the epilog says so
+    assert "Every other flag of Megatron-LM's parser is refused before any work" in flat
 
 
 def test_not_applicable_flags_parse_with_a_notice_each():

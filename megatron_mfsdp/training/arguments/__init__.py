@@ -1,16 +1,19 @@
 """pretrain_gpt.py's command line: Megatron-LM's flags with Megatron-LM's names, defaults and
-meaning (model_flags.py, run_flags.py), megatron-core's Muon names and ours (ours.py), flags
-accepted where they do not apply here or refused clearly (accepted.py), and the checks that
-run before any process group, model or dataset exists (validate.py)."""
+meaning (model_flags.py, run_flags.py), megatron-core's Muon names and ours (ours.py), every other
+Megatron-LM flag accepted with a notice or refused with its reason (accepted.py, refused.py), the
+help of each flag in Megatron-LM's groups (flag_help.py), and the checks that run before any process
+group, model or dataset exists (validate.py)."""
 
 from __future__ import annotations
 
 import argparse
 
-from . import model_flags, ours, run_flags
+from . import accepted, flag_help, model_flags, ours, run_flags
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The flags pretrain_gpt.py implements (Megatron-LM's and ours), each with its help, in
+    Megatron-LM's argument groups. ``full_parser`` adds the noticed and refused ones."""
     from ...optim import registry
 
     p = argparse.ArgumentParser(
@@ -20,6 +23,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Pretrain a megatron-core GPT. Megatron-LM's flags, plus --use-matrix-fsdp (owner-sharded "
         "ZeRO-3 with communication-free Muon) and --mfsdp-*. Without data flags it trains on a corpus built "
         "from this machine's Python sources (scripts/quickstart.sh shows a complete command).",
+        epilog="Every other flag of Megatron-LM's parser is refused before any work, naming the feature "
+        "megatron-mfsdp lacks (mixture of experts, context parallelism, ...); an unknown flag gets the closest "
+        "known names.",
     )
     model_flags.add_network_size_args(p)
     model_flags.add_initialization_args(p)
@@ -34,8 +40,23 @@ def build_parser() -> argparse.ArgumentParser:
     run_flags.add_data_args(p)
     run_flags.add_logging_args(p)
     ours.add_muon_args(p)
+    before = len(p._action_groups)
     ours.add_rule_args(p)
+    rule_groups = p._action_groups[before:]
     ours.add_mfsdp_args(p)
+    flag_help.fill_help(p)
+    flag_help.regroup(p, keep=rule_groups)
+    p.rule_groups = rule_groups
+    return p
+
+
+def full_parser() -> argparse.ArgumentParser:
+    """build_parser with every other Megatron-LM flag registered (noticed ones shown in --help in their
+    Megatron-LM group, refused ones hidden); what parse_args parses with."""
+    p = build_parser()
+    accepted.add_accepted_args(p)
+    flag_help.fill_help(p)
+    flag_help.regroup(p, keep=p.rule_groups)
     return p
 
 
@@ -52,14 +73,13 @@ def parse_args(argv: list[str] | None = None, world_size: int | None = None) -> 
     import os
     import sys
 
-    from . import accepted, validate
+    from . import validate
 
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = build_parser()
-    accepted.add_accepted_args(parser)
+    parser = full_parser()
     args, extra = parser.parse_known_args(argv)
     if extra:
-        parser.error(accepted.explain_unrecognized(extra))
+        parser.error(accepted.explain_unrecognized(extra, parser))
     args.world_size = world_size or int(os.environ.get("WORLD_SIZE", "1"))
     args.rank = int(os.environ.get("RANK", "0"))
     args.explicit = given_flags(argv, parser)

@@ -140,6 +140,25 @@ def add_fusion_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--recompute-granularity", default=None, choices=["full", "selective"])
     g.add_argument("--recompute-method", default=None, choices=["uniform", "block"])
     g.add_argument("--recompute-num-layers", type=positive_int, default=None)
+    g.add_argument(
+        "--recompute-modules",
+        nargs="+",
+        default=None,
+        help="with selective recomputation: the parts of each layer to recompute in backward, of core_attn "
+        "(megatron-core's default), layernorm and mlp (the others are MoE's, MLA's and hybrid layers')",
+    )
+    g.add_argument(
+        "--distribute-saved-activations",
+        action="store_true",
+        help="with full recomputation: split each saved layer input over the TP ranks",
+    )
+    g.add_argument(
+        "--no-clone-scatter-output-in-embedding",
+        "--disable-clone-scatter-output-in-embedding",
+        dest="clone_scatter_output_in_embedding",
+        action="store_false",
+        help="with --sequence-parallel: do not clone the embedding's scattered output (saves its memory)",
+    )
 
 
 def add_mixed_precision_args(p: argparse.ArgumentParser) -> None:
@@ -153,6 +172,11 @@ def add_mixed_precision_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--hysteresis", type=positive_int, default=2)
     g.add_argument("--accumulate-allreduce-grads-in-fp32", action="store_true")
     g.add_argument("--grad-reduce-in-bf16", action="store_true")
+    g.add_argument(
+        "--disable-bf16-reduced-precision-matmul",
+        action="store_true",
+        help="with --bf16: no reduced-precision reductions in cuBLAS bf16 GEMMs (megatron-core sets torch's flag)",
+    )
     g = p.add_argument_group("FP8")
     g.add_argument("--fp8-format", dest="fp8", default=None, choices=["e4m3", "hybrid"])
     g.add_argument("--fp8-recipe", default="delayed", choices=["tensorwise", "delayed", "mxfp8", "blockwise"])

@@ -104,7 +104,8 @@ def add_rule_args(p: argparse.ArgumentParser) -> None:
     for rule in registry.RULES.values():
         if rule.settings is None:
             continue
-        g = p.add_argument_group(f"{rule.name} ({(rule.settings.__doc__ or '').strip().splitlines()[0]})")
+        # Ours, titled so (Megatron-LM's own flags among them, e.g. --lion-beta1, move to its groups: flag_help.regroup)
+        g = p.add_argument_group(f"MatrixFSDP: {rule.name} ({(rule.settings.__doc__ or '').strip().splitlines()[0]})")
         for f in dataclasses.fields(rule.settings):
             _add_setting(g, f, registry.setting_dest(rule, f.name))
 
@@ -200,8 +201,9 @@ def _add_placement_args(g) -> None:
 
 def add_mfsdp_args(p: argparse.ArgumentParser) -> None:
     from ...config import MatrixFSDPConfig as R
+    from .flag_help import OURS
 
-    g = p.add_argument_group("MatrixFSDP (ours)")
+    g = p.add_argument_group(OURS)
     g.add_argument(
         "--use-matrix-fsdp",
         action="store_true",

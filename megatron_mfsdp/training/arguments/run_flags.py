@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import argparse
 
-from .types import nonnegative_float, nonnegative_int, positive_int, probability
+from .types import nonnegative_float, nonnegative_int, positive_int, probability, signal_name
 
 TOKENIZER_TYPES = (
     "GPT2BPETokenizer",
@@ -41,7 +41,14 @@ def add_training_args(p: argparse.ArgumentParser, optimizers) -> None:
     g.add_argument("--train-samples", type=positive_int, default=None)
     g.add_argument("--exit-interval", type=positive_int, default=None)
     g.add_argument("--exit-duration-in-mins", type=positive_int, default=None)
-    g.add_argument("--exit-signal-handler", action="store_true", help="on SIGTERM: save a checkpoint and exit")
+    g.add_argument("--exit-signal-handler", action="store_true", help="on --exit-signal: save a checkpoint and exit")
+    g.add_argument(
+        "--exit-signal",
+        type=signal_name,
+        default="SIGTERM",
+        metavar="SIGNAL",
+        help="the signal --exit-signal-handler acts on (a name such as SIGUSR1, or its number)",
+    )
     g.add_argument(
         "--optimizer",
         default="adam",
@@ -53,7 +60,7 @@ def add_training_args(p: argparse.ArgumentParser, optimizers) -> None:
     g.add_argument("--calculate-per-token-loss", action="store_true")
     g.add_argument("--manual-gc", action="store_true")
     g.add_argument("--manual-gc-interval", type=nonnegative_int, default=0)
-    g.add_argument("--no-manual-gc-eval", dest="manual_gc_eval", action="store_false")
+    g.add_argument("--no-manual-gc-eval", "--disable-manual-gc-eval", dest="manual_gc_eval", action="store_false")
     g.add_argument("--empty-unused-memory-level", type=int, default=0, choices=[0, 1, 2])
     g.add_argument("--deterministic-mode", action="store_true")
     g.add_argument("--skip-train", action="store_true")
@@ -114,6 +121,13 @@ def add_checkpointing_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-load-rng", action="store_true", default=None)
     g.add_argument("--finetune", action="store_true")
     g.add_argument("--use-checkpoint-args", action="store_true")
+    g.add_argument(
+        "--no-use-tokenizer-model-from-checkpoint-args",
+        "--disable-use-tokenizer-model-from-checkpoint-args",
+        dest="use_tokenizer_model_from_checkpoint_args",
+        action="store_false",
+        help="with --use-checkpoint-args: keep this command line's --tokenizer-model",
+    )
     g.add_argument("--exit-on-missing-checkpoint", action="store_true")
     g.add_argument("--ckpt-format", default="torch_dist", choices=["torch", "torch_dist", "torch_dcp", "fsdp_dtensor"])
     g.add_argument("--auto-detect-ckpt-format", action="store_true")
@@ -171,7 +185,9 @@ def add_distributed_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--overlap-p2p-communication-warmup-flush", dest="overlap_p2p_comm_warmup_flush", action="store_true"
     )
-    g.add_argument("--no-align-grad-reduce", dest="align_grad_reduce", action="store_false")
+    g.add_argument(
+        "--no-align-grad-reduce", "--disable-align-grad-reduce", dest="align_grad_reduce", action="store_false"
+    )
     g.add_argument("--no-align-param-gather", dest="align_param_gather", action="store_false")
     g.add_argument("--use-tp-pp-dp-mapping", action="store_true")
     g.add_argument(
@@ -196,6 +212,12 @@ def add_validation_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("validation")
     g.add_argument("--eval-iters", type=nonnegative_int, default=100)
     g.add_argument("--eval-interval", type=positive_int, default=None)
+    g.add_argument(
+        "--start-eval-at-iter",
+        type=nonnegative_int,
+        default=None,
+        help="evaluate during training only from this iteration on (the final evaluation always runs)",
+    )
 
 
 def add_data_args(p: argparse.ArgumentParser) -> None:
@@ -208,6 +230,12 @@ def add_data_args(p: argparse.ArgumentParser) -> None:
         "embedded corpus built from this machine's Python sources",
     )
     g.add_argument("--split", default=None, help="train,valid,test weights; default with --data-path: 969, 30, 1")
+    g.add_argument("--data-args-path", default=None, help="a file holding --data-path's words (weights and prefixes)")
+    g.add_argument(
+        "--per-split-data-args-path",
+        default=None,
+        help='a JSON file {"train": ..., "valid": ..., "test": ...} holding the --*-data-path words of each split',
+    )
     g.add_argument("--train-data-path", nargs="*", default=None)
     g.add_argument("--valid-data-path", nargs="*", default=None)
     g.add_argument("--test-data-path", nargs="*", default=None)
@@ -265,6 +293,24 @@ def add_logging_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--timing-log-level", type=int, default=0, choices=[0, 1, 2])
     g.add_argument("--timing-log-option", default="minmax", choices=["max", "minmax", "all"])
+    g.add_argument(
+        "--no-barrier-with-level-1-timing",
+        dest="barrier_with_L1_time",
+        action="store_false",
+        help="level-1 timers start without a barrier (megatron-core's optimizer and schedules read it)",
+    )
+    g.add_argument(
+        "--log-progress",
+        action="store_true",
+        help="append job starts and, at each save, throughput, floating-point operations and tokens so far to "
+        "progress.txt in --save (Megatron-LM's format)",
+    )
+    g.add_argument(
+        "--logging-level",
+        type=int,
+        default=None,
+        help="level of Python's root logger (10 debug, 20 info, 30 warning); else $MEGATRON_LOGGING_LEVEL",
+    )
     g.add_argument("--tensorboard-dir", default=None)
     g.add_argument("--tensorboard-log-interval", type=positive_int, default=1)
     g.add_argument("--tensorboard-queue-size", type=positive_int, default=1000)

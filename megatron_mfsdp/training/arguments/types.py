@@ -74,3 +74,14 @@ def attention_backend(text: str) -> str:
     if name not in names:
         raise argparse.ArgumentTypeError(f"choose one of {', '.join(names)}, got {text!r}")
     return name
+
+
+def signal_name(text: str) -> str:
+    """A signal by name (SIGTERM) or number (15), as Megatron-LM's --exit-signal takes signal.Signals; kept
+    as its name (the flags are compared across ranks as JSON)."""
+    import signal
+
+    try:
+        return signal.Signals(int(text)).name if text.isdigit() else signal.Signals[text].name
+    except (KeyError, ValueError):
+        raise argparse.ArgumentTypeError(f"not a signal: {text!r} (e.g. SIGTERM, SIGUSR1 or a number)") from None

@@ -145,6 +145,41 @@ def _validate_model_kinds(args) -> None:
         _fail("--recompute-method applies to --recompute-granularity full only")
     if args.recompute_granularity == "full" and args.recompute_method is None:
         _fail("--recompute-granularity full needs --recompute-method uniform or block")
+    _validate_recompute_modules(args)
+
+
+# megatron-core's selective recomputation (TransformerConfig.recompute_modules at core_v0.16.1): the parts a
+# dense GPT layer has; Megatron-LM HEAD's others belong to features refused here.
+RECOMPUTE_MODULES = ("core_attn", "layernorm", "mlp")
+RECOMPUTE_MODULES_OF = {
+    "moe_act": "mixture of experts",
+    "moe": "mixture of experts",
+    "shared_experts": "mixture of experts",
+    "mla_up_proj": "multi-latent attention",
+    "gdn_norm_out": "gated delta net layers",
+    "gdp_in_proj": "Gated DeltaProduct layers",
+    "gdp_qkv": "Gated DeltaProduct layers",
+    "mhc": "hyper-connections (mHC)",
+}
+
+
+def _validate_recompute_modules(args) -> None:
+    modules = args.recompute_modules
+    if modules is None:
+        return
+    for module in modules:
+        if module in RECOMPUTE_MODULES_OF:
+            _fail(
+                f"--recompute-modules {module}: recomputes a part of {RECOMPUTE_MODULES_OF[module]}, which "
+                "megatron-mfsdp does not support yet"
+            )
+        if module not in RECOMPUTE_MODULES:
+            _fail(f"--recompute-modules {module}: choose from {', '.join(RECOMPUTE_MODULES)}")
+    if args.recompute_granularity != "selective":
+        args.notices.append(
+            "--recompute-modules: applies to --recompute-granularity selective (or --recompute-activations); "
+            "nothing is recomputed by it in this run"
+        )
 
 
 def validate_precision(args) -> None:
@@ -370,12 +405,46 @@ def validate_io(args) -> None:
     ):
         if path is not None:
             _writable_dir(path, flag)
+    _validate_checkpoint_format(args)
+    _validate_run_control(args)
     if args.wandb_project:
         try:
             import wandb  # noqa: F401
         except ImportError:
             _fail(f"--wandb-project {args.wandb_project}: the wandb package is not installed (pip install wandb)")
     _validate_profile(args)
+
+
+def _validate_checkpoint_format(args) -> None:
+    """Megatron-LM's four --ckpt-format values: torch_dist and torch are written (torch by every backend:
+    checkpoint/local.py); the other two are refused here, not at the first save."""
+    if args.ckpt_format == "torch_dcp":
+        _fail(
+            "--ckpt-format torch_dcp: torch.distributed.checkpoint's own format is not supported by megatron-mfsdp; "
+            "use torch_dist (the default: megatron-core dist_checkpointing over the same torch.distributed."
+            "checkpoint storage, resharding to any TP x PP x DP)"
+        )
+    if args.ckpt_format == "fsdp_dtensor":
+        _fail(
+            "--ckpt-format fsdp_dtensor: Megatron-FSDP's DTensor format needs Megatron-FSDP (--use-megatron-fsdp), "
+            "which megatron-mfsdp does not have; use torch_dist (the default), which --use-matrix-fsdp saves "
+            "resharding to any TP x PP x DP"
+        )
+    if args.pretrained_checkpoint is not None and not os.path.isdir(args.pretrained_checkpoint):
+        _fail(f"--pretrained-checkpoint {args.pretrained_checkpoint}: no such folder")
+
+
+def _validate_run_control(args) -> None:
+    """Flags whose effect needs another flag, or CUDA, said at start-up."""
+    if "--exit-signal" in args.explicit and not args.exit_signal_handler:
+        args.notices.append(f"--exit-signal {args.exit_signal}: acts with --exit-signal-handler only (as Megatron-LM)")
+    if args.log_progress and args.save is None:
+        args.notices.append("--log-progress: progress.txt is written in --save, which is not given: nothing is written")
+    if args.empty_unused_memory_level and not _has_cuda():
+        args.notices.append(
+            f"--empty-unused-memory-level {args.empty_unused_memory_level}: no CUDA on this machine, so the CUDA "
+            "caching allocator holds nothing to release"
+        )
 
 
 def _validate_profile(args) -> None:
@@ -458,7 +527,7 @@ def _matrix_rule(args):
 def validate_optimizer(args) -> None:
     from ...optim import registry
     from ...placement.rules import parse_rule
-    from ..setup import optimizer_config, runtime_config
+    from ..setup import MEGATRON_OPTIMIZERS, optimizer_config, runtime_config
 
     args.muon_ns_dtype = args.muon_ns_dtype or _ns_dtype(args)
     args.param_rules = [parse_rule(rule, registry.rule_names()) for rule in args.mfsdp_param_rule]
@@ -486,10 +555,11 @@ def validate_optimizer(args) -> None:
         ):
             if on:
                 args.notices.append(f"{flag} with --use-matrix-fsdp: {instead}")
-    elif _matrix_rule(args).storage == "whole" and (args.use_distributed_optimizer or args.overlap_param_gather):
+    elif args.optimizer not in MEGATRON_OPTIMIZERS and (args.use_distributed_optimizer or args.overlap_param_gather):
         _fail(
             f"--optimizer {args.optimizer} with --use-distributed-optimizer or --overlap-param-gather needs "
-            "--use-matrix-fsdp (megatron-core 0.16.1 runs neither with a matrix optimizer)"
+            "--use-matrix-fsdp (megatron-core 0.16.1's own optimizer runs adam and sgd only; without "
+            "--use-matrix-fsdp every rank would hold all optimizer state)"
         )
     elif args.overlap_param_gather and not args.use_distributed_optimizer:
         _fail("--overlap-param-gather needs --use-distributed-optimizer (as Megatron-LM)")
@@ -518,6 +588,7 @@ def validate_data(args) -> None:
     before any work; the tokenizer default is Megatron-LM's pretrain_gpt.py's."""
     from ...data.checks import check_data_prefixes
 
+    _read_data_args_files(args)
     args.use_default_data = not (args.data_path or args.mock_data or args.train_data_path)
     if args.use_default_data:
         if args.tokenizer_model or args.vocab_file:
@@ -537,6 +608,39 @@ def validate_data(args) -> None:
         except ValueError as err:
             _fail(f"{flag}: {err}")
     _validate_tokenizer(args)
+
+
+def _read_data_args_files(args) -> None:
+    """--data-args-path (--data-path's words in a file) and --per-split-data-args-path (a JSON object of the
+    splits' words), as Megatron-LM reads them (get_blend_and_blend_per_split, megatron/training/utils/
+    common_utils.py at HEAD)."""
+    import json
+
+    if args.data_args_path is not None:
+        if args.data_path is not None:
+            _fail("--data-args-path and --data-path exclude each other")
+        args.data_path = _read_text(args.data_args_path, "--data-args-path").split()
+    if args.per_split_data_args_path is not None:
+        if args.train_data_path or args.valid_data_path or args.test_data_path:
+            _fail("--per-split-data-args-path and --train/valid/test-data-path exclude each other")
+        try:
+            splits = json.loads(_read_text(args.per_split_data_args_path, "--per-split-data-args-path"))
+            words = {k: v.split() if isinstance(v, str) else list(v) for k, v in splits.items()}
+            args.train_data_path, args.valid_data_path = words["train"], words["valid"]
+            args.test_data_path = words["test"]
+        except (ValueError, KeyError, AttributeError, TypeError) as err:
+            _fail(
+                f"--per-split-data-args-path {args.per_split_data_args_path}: not a JSON object of train, valid "
+                f"and test ({err})"
+            )
+
+
+def _read_text(path: str, flag: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError as err:
+        _fail(f"{flag} {path}: cannot read it ({err.strerror})")
 
 
 def _validate_tokenizer(args) -> None:
@@ -613,6 +717,12 @@ def validate_device(args) -> None:
         _disable_jit_fuser()
     if args.dataloader_type == "cyclic":
         _fail("--dataloader-type cyclic is not supported by megatron-mfsdp yet (single: Megatron-LM's default)")
+    if "layernorm" in (args.recompute_modules or []) and args.transformer_impl != "transformer_engine":
+        _fail(
+            "--recompute-modules layernorm: megatron-core 0.16.1 recomputes the layernorms with its output-discarding "
+            "checkpoint, which needs Transformer Engine (--transformer-impl transformer_engine, on CUDA); "
+            "core_attn and mlp run with the local spec"
+        )
 
 
 def _disable_jit_fuser() -> None:

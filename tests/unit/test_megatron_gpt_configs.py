@@ -1,0 +1,300 @@
+"""Megatron-LM's GPT functional-test configs parse, or each is refused naming a feature megatron-mfsdp lacks.
+
+The configs are tests/megatron_lm_gpt_configs.json: the ``MODEL_ARGS`` of every
+tests/functional_tests/test_cases/gpt/*/model_config.yaml of Megatron-LM at the commit it names, turned into
+a command line as Megatron-LM's launcher does (tests/functional_tests/shell_test_utils/_run_training.sh:
+``true`` is the bare switch, ``[a b]`` gives two words, other values one word, in the file's order, with
+``<<`` merges inlined). Regenerate it with
+
+    python tests/unit/test_megatron_gpt_configs.py --git /path/to/Megatron-LM[.git] --rev HEAD
+
+A refusal that does not name one of ``LACKING`` (an unknown flag, a bad value, a flag we should implement
+or notice) fails the test: fix it in megatron_mfsdp/training/arguments/, never here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import importlib.util
+import io
+import json
+import math
+import os
+import pathlib
+import re
+import shlex
+import subprocess
+import sys
+import types
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+DATA = ROOT / "tests" / "megatron_lm_gpt_configs.json"
+SOURCE = "tests/functional_tests/test_cases/gpt/*/model_config.yaml MODEL_ARGS"
+
+
+# What megatron-mfsdp does not have, as its refusals name it: every refused config's error must name one.
+LACKING = {
+    "mixture of experts": ("mixture of experts", "expert parallelism"),
+    "context parallelism": ("context parallelism",),
+    "multi-latent attention": ("multi-latent attention",),
+    "multi-token prediction": ("multi-token prediction",),
+    "Mamba and hybrid models": ("Mamba", "hybrid model"),
+    "experimental attention variants": ("experimental attention variants",),
+    "attention output gate": ("attention output gate",),
+    "heterogeneous layers": ("heterogeneous layer",),
+    "inference engine": ("inference engine",),
+    "reinforcement learning": ("reinforcement learning",),
+    "Megatron-FSDP and torch FSDP2": ("Megatron-FSDP", "FSDP2"),
+    "ModelOpt and distillation": ("ModelOpt", "distillation"),
+    "muP": ("muP",),
+    "FIM datasets": ("FIM datasets",),
+    "CUDA graphs": ("CUDA graphs",),
+}
+ERROR = re.compile(r"^pretrain_gpt\.py: error: (--[\w-]+\b.*)$", re.M)
+SIZES = ("--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--context-parallel-size")
+
+
+def _configs() -> dict:
+    return json.loads(DATA.read_text())
+
+
+def _indexed_dataset(prefix: pathlib.Path) -> None:
+    """A small Megatron indexed dataset (.bin and .idx that agree), as tools/preprocess_data.py writes."""
+    import numpy
+    import torch
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    prefix.parent.mkdir(parents=True, exist_ok=True)
+    builder = IndexedDatasetBuilder(f"{prefix}.bin", dtype=numpy.int32)
+    for doc in range(4):
+        builder.add_document(torch.arange(doc, doc + 50, dtype=torch.int32) % 4, [50])
+    builder.finalize(f"{prefix}.idx")
+
+
+def _make(flag: str, path: str, tokenizer: str | None) -> None:
+    """The file ``flag`` names: an indexed dataset (the parser checks .bin against .idx), GPT-2 vocab and
+    merges files, or, for --tokenizer-model, an empty file (a folder for HuggingFaceTokenizer): the parser
+    checks that it exists and reads no tokenizer."""
+    target = pathlib.Path(path)
+    if flag == "--data-path":
+        if not target.with_suffix(".idx").exists():
+            _indexed_dataset(target)
+        return
+    if flag == "--tokenizer-model" and tokenizer == "HuggingFaceTokenizer":
+        target.mkdir(parents=True, exist_ok=True)
+        return
+    target.parent.mkdir(parents=True, exist_ok=True)
+    text = {"--vocab-file": '{"a": 0, "b": 1, "ab": 2, "<|endoftext|>": 3}', "--merge-file": "#version: 0.2\na b\n"}
+    target.write_text(text.get(flag, ""))
+
+
+def _value(argv: list, flag: str) -> str | None:
+    return argv[argv.index(flag) + 1] if flag in argv else None
+
+
+@pytest.fixture(scope="module")
+def command_lines(tmp_path_factory) -> dict:
+    """Each config's command line with its placeholders pointed at real files in one folder, and its world
+    size: TP x PP x CP (data-parallel size 1, so every batch size divides). Megatron-LM's CI sets $REPEAT
+    (the --seed of one config) to the run's number and $DATA_BLEND to a data prefix."""
+    folder = tmp_path_factory.mktemp("megatron_lm_gpt_configs")
+    values = {"REPEAT": "1", "DATA_BLEND": str(folder / "DATA_BLEND")}
+    out = {}
+    for name, config in _configs()["configs"].items():
+        argv = [
+            re.sub(r"\$\{?(\w+)\}?", lambda m: values.get(m.group(1), str(folder / m.group(1))), word)
+            for word in config
+        ]
+        for i, word in enumerate(argv[:-1]):
+            made = word in ("--data-path", "--vocab-file", "--merge-file", "--tokenizer-model")
+            if made and argv[i + 1].startswith(str(folder)):  # a placeholder's path: nothing lands elsewhere
+                _make(word, argv[i + 1], _value(argv, "--tokenizer-type"))
+        world = math.prod(int(_value(argv, flag) or 1) for flag in SIZES)
+        out[name] = (argv, world)
+    return out
+
+
+def _outcome(argv: list, world: int) -> tuple:
+    """("parses", the parsed namespace) or ("refused", exit code, the error that names a flag, else the last
+    line written)."""
+    from megatron_mfsdp.training.arguments import parse_args
+
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err):
+            args = parse_args(argv, world_size=world)
+    except SystemExit as exit_:
+        errors = ERROR.findall(err.getvalue())
+        return ("refused", exit_.code, errors[-1] if errors else err.getvalue().strip()[-300:])
+    return ("parses", vars(args))
+
+
+def _feature(error: str) -> str | None:
+    """The lacking feature an error names (None for none, or for an error that names no flag)."""
+    named = error.startswith("--")
+    return next((f for f, words in LACKING.items() if named and any(w in error for w in words)), None)
+
+
+def test_each_config_parses_or_is_refused_naming_a_feature_megatron_mfsdp_lacks(command_lines, monkeypatch):
+    """The parser refuses --wandb-project where the wandb package is missing (Megatron-LM fails at its import
+    too); Megatron-LM's CI has it, so where it is not installed an empty module stands in."""
+    if importlib.util.find_spec("wandb") is None:
+        monkeypatch.setitem(sys.modules, "wandb", types.ModuleType("wandb"))
+    data = _configs()
+    outcomes = {name: _outcome(argv, world) for name, (argv, world) in command_lines.items()}
+    parsed = [name for name, o in outcomes.items() if o[0] == "parses"]
+    refused = {name: o for name, o in outcomes.items() if o[0] == "refused"}
+    wrong = {name: o[1:] for name, o in refused.items() if o[1] != 2 or not _feature(o[2])}
+    assert not wrong, f"refused without naming a feature megatron-mfsdp lacks (fix the argument layer): {wrong}"
+    features = collections.Counter(_feature(o[2]) for o in refused.values())
+    print(
+        f"Megatron-LM GPT functional-test configs at {data['commit']}: {len(parsed)} parse, {len(refused)} refused "
+        f"naming a lacking feature: {dict(features.most_common())}"
+    )
+    assert len(parsed) + len(refused) == len(data["configs"]) == len(command_lines)
+    assert parsed and refused
+    # One process parses them all: parsing leaves nothing behind (the same outcome again, in reverse order).
+    again = {name: _outcome(*command_lines[name]) for name in reversed(list(command_lines))}
+    assert again == outcomes
+
+
+@pytest.mark.parametrize(
+    "words",
+    [["--temperature", "1.0"], ["--top_k", "1"], ["--return-log-probs"], ["--incoming-requests-per-sec", "-1"]],
+)
+def test_a_flag_of_megatron_lms_inference_scripts_is_refused_naming_the_inference_engine(words):
+    """The inference configs give them (megatron/inference/utils.py add_inference_args): not unknown flags."""
+    from tests.launch import TINY
+
+    outcome = _outcome(TINY + words, 1)
+    assert outcome[:2] == ("refused", 2) and outcome[2].startswith(f"{words[0]}: a flag of Megatron-LM's inference")
+    assert _feature(outcome[2]) == "inference engine"
+
+
+def test_the_config_list_is_megatron_lms_at_a_named_commit():
+    data = _configs()
+    assert re.fullmatch(r"[0-9a-f]{40}", data["commit"]) and data["source"] == SOURCE
+    assert len(data["configs"]) + len(data["empty"]) > 200
+    tp2_pp2 = data["configs"]["gpt3_mcore_te_tp2_pp2"]
+    assert tp2_pp2[:4] == ["--num-layers", "12", "--hidden-size", "512"]
+    assert tp2_pp2[tp2_pp2.index("--lr-warmup-fraction") + 1] == ".01"  # the YAML text, not a float's repr
+    assert "--use-mcore-models" in tp2_pp2 and "true" not in tp2_pp2
+
+
+def test_a_model_config_becomes_the_command_line_megatron_lms_launcher_passes():
+    pytest.importorskip("yaml")
+    text = """
+BASE: &BASE
+  --num-layers: 2
+  --bf16: true
+  --sequence-parallel: true
+MODEL_ARGS:
+  <<: *BASE
+  --bf16: false  # an explicit key wins over the merged one
+  --min-lr: 1.0e-5
+  --hierarchical-context-parallel-sizes: "[2 2]"
+  --stop-words: '"the"'
+  --prompts: "two  words"
+  --data-cache-path: ""
+  --load: ${CHECKPOINT_LOAD_PATH}/model
+"""
+    assert model_args(text) == (
+        ["--num-layers", "2", "--sequence-parallel", "--min-lr", "1.0e-5"]
+        + ["--hierarchical-context-parallel-sizes", "2", "2", "--stop-words", "the", "--prompts", "two words"]
+        + ["--load", "${CHECKPOINT_LOAD_PATH}/model"]
+    )
+    assert model_args("MODEL_ARGS:\nTEST_TYPE: regular\n") is None
+
+
+# ---------------------------------------------------------------- extraction (run by hand, see above)
+
+
+def _mapping_pairs(node) -> list:
+    """(key, value node) pairs of a YAML mapping node, ``<<`` merges inlined first (explicit keys win),
+    as yq's ``explode(.)`` does for the launcher."""
+    merged, explicit = [], []
+    for key, value in node.value:
+        if key.value == "<<":
+            merged += _mapping_pairs(value)
+        else:
+            explicit.append((key.value, value))
+    taken = {k for k, _ in explicit}
+    return [(k, v) for k, v in merged if k not in taken] + explicit
+
+
+def _words(flag: str, node) -> list:
+    """The launcher's words for one MODEL_ARGS entry: the bare switch for true, nothing for false or an
+    empty value, ``[a b]`` split into words, any other value one word (its shell quotes removed by the
+    launcher's ``xargs``). The scalar's own text is kept (yq prints ``1.0e-5`` as written)."""
+    import yaml
+
+    if not isinstance(node, yaml.ScalarNode):
+        raise ValueError(f"{flag}: a {node.tag} value (the launcher passes scalars only)")
+    text = node.value
+    if node.tag == "tag:yaml.org,2002:bool":
+        if text not in ("true", "false"):
+            raise ValueError(f"{flag}: {text!r} (yq reads only true/false as booleans)")
+        return [flag] if text == "true" else []
+    if node.tag == "tag:yaml.org,2002:null" or text == "":
+        return []
+    text = " ".join(shlex.split(text))
+    if re.fullmatch(r"\[[^]]+\]", text):
+        return [flag, *text[1:-1].split()]
+    return [flag, text]
+
+
+def model_args(text: str) -> list | None:
+    """The command line of one model_config.yaml's MODEL_ARGS (None when it has none)."""
+    import yaml
+
+    root = yaml.compose(text)
+    node = dict((k.value, v) for k, v in root.value).get("MODEL_ARGS")
+    if node is None or node.tag == "tag:yaml.org,2002:null":
+        return None
+    return [word for flag, value in _mapping_pairs(node) for word in _words(flag, value)]
+
+
+def _git(git: str, *args) -> str:
+    return subprocess.run(["git", "-C", git, *args], capture_output=True, text=True, check=True).stdout
+
+
+def regenerate(git: str, rev: str) -> None:
+    """Write DATA from the configs of ``rev`` of the Megatron-LM repository ``git``."""
+    commit = _git(git, "rev-parse", rev).strip()
+    folder = "tests/functional_tests/test_cases/gpt/"
+    paths = [p for p in _git(git, "ls-tree", "-r", "--name-only", commit, folder).split() if p.count("/") == 5]
+    configs, empty = {}, []
+    for path in sorted(p for p in paths if p.endswith("/model_config.yaml")):
+        name = path.split("/")[-2]
+        argv = model_args(_git(git, "show", f"{commit}:{path}"))
+        if argv is None:
+            empty.append(name)
+        else:
+            configs[name] = argv
+    data = {
+        "commit": commit,
+        "source": SOURCE,
+        "note": "Each config's MODEL_ARGS as Megatron-LM's launcher (tests/functional_tests/shell_test_utils/"
+        "_run_training.sh) passes them, in order: true gives the bare switch, a false-valued switch is dropped "
+        "(the launcher would pass the word false), [a b] gives two words, ${VAR} placeholders are kept. "
+        "'empty' lists the configs whose MODEL_ARGS is empty (their test runs a script of its own). "
+        "Generated by tests/unit/test_megatron_gpt_configs.py --git MEGATRON_LM --rev REV.",
+        "empty": empty,
+        "configs": configs,
+    }
+    head = json.dumps({k: v for k, v in data.items() if k != "configs"}, indent=1).removesuffix("\n}")
+    lines = [f"  {json.dumps(name)}: {json.dumps(argv)}" for name, argv in configs.items()]  # one line each
+    DATA.write_text(head + ',\n "configs": {\n' + ",\n".join(lines) + "\n }\n}\n")
+    print(f"{DATA.relative_to(ROOT)}: {len(configs)} configs (+{len(empty)} empty) at {commit}")
+
+
+if __name__ == "__main__":
+    cli = argparse.ArgumentParser(description="Regenerate the Megatron-LM GPT config list (see the docstring).")
+    cli.add_argument("--git", required=True, help="a Megatron-LM checkout or bare repository")
+    cli.add_argument("--rev", default="HEAD")
+    options = cli.parse_args()
+    regenerate(os.path.abspath(options.git), options.rev)
