@@ -399,6 +399,7 @@ def _train(args, run, start_iteration: int, writers, start_time: float) -> dict:
                 if args.save and saved_at != iteration:
                     saved_at = _save(args, run, iteration, interval)
                 logging.print_datetime(reason)
+                history["exited"] = reason
                 break
     finally:  # a run that raises inside the window still closes the profiler (a pooled worker lives on)
         profiler.stop()
@@ -457,8 +458,9 @@ def pretrain(args) -> dict:
     if not args.skip_train:
         history = _train(args, run, start_iteration, writers, start_time)
     iteration = history["iteration"]
-    _evaluate(args, run, writers, iteration, f"iteration {iteration} on validation set", run.valid, history)
-    _evaluate(args, run, writers, iteration, f"iteration {iteration} on test set", run.test)
+    if "exited" not in history:  # Megatron-LM's train() exits at once on a signal or --exit-*: no final evaluation
+        _evaluate(args, run, writers, iteration, f"iteration {iteration} on validation set", run.valid, history)
+        _evaluate(args, run, writers, iteration, f"iteration {iteration} on test set", run.test)
     _write_history(args, history)
     writers.close()
     dist.barrier()

@@ -133,6 +133,9 @@ def test_distributed_optimizer_torch_format_retain_progress_start_eval_and_exit_
         assert [it for it, _ in r["history"]["train"]] == [5, 6]
     assert train_losses(ranks[1]) == reference[4:6]
     assert ranks[1]["history"]["valid"][0] == last["history"]["valid"][0]
+    # Megatron-LM's train() exits at once on the signal: no final "on validation set" evaluation.
+    assert [it for it, _ in ranks[1]["history"]["valid"]] == [6]
+    assert all("on validation set" not in r["stdout"] for r in ranks)
     assert _kept(resumed_save) == [6] and files.read_tracker(str(resumed_save)) == 6  # saved on the signal
     assert _rank_file_flops(resumed_save, 6) == 6 * per_iteration  # not 2 x: restored from iteration 4's
     events = _progress(resumed_save)
