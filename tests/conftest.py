@@ -41,3 +41,20 @@ def _close_worker_pools():
     from megatron_mfsdp.testing.workers import close_pools
 
     close_pools()
+
+
+@pytest.fixture(scope="module")
+def one_rank_process_group(tmp_path_factory):
+    """A one-rank gloo group in this process, for megatron-core's GPTModel and dist_checkpointing
+    (a module asks for it with ``pytestmark = pytest.mark.usefixtures("one_rank_process_group")``)."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    own = not dist.is_initialized()
+    if own:
+        init_file = tmp_path_factory.mktemp("dist") / "init"
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=0, world_size=1)
+    yield
+    parallel_state.destroy_model_parallel()
+    if own:
+        dist.destroy_process_group()

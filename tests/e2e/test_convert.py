@@ -54,20 +54,7 @@ def tool(relative: str):
 CONVERT, GENERATE = tool("tools/checkpoint/convert.py"), tool("tools/generate.py")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def process_group(tmp_path_factory):
-    """dist_checkpointing and megatron-core's GPTModel run on a one-rank gloo group, in this process."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-
-    own = not dist.is_initialized()
-    if own:
-        init_file = tmp_path_factory.mktemp("dist") / "init"
-        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=0, world_size=1)
-    yield
-    parallel_state.destroy_model_parallel()
-    if own:
-        dist.destroy_process_group()
+pytestmark = pytest.mark.usefixtures("one_rank_process_group")
 
 
 def word_tokenizer(vocab_size: int, folder):

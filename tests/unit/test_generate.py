@@ -131,20 +131,7 @@ def random_model(args: dict, seed: int = 3):
     return model.eval()
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_rank(tmp_path_factory):
-    """GPTModel and dist_checkpointing run on a one-rank gloo group, in this process."""
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-
-    own = not dist.is_initialized()
-    if own:
-        init_file = tmp_path_factory.mktemp("dist") / "init"
-        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=0, world_size=1)
-    yield
-    parallel_state.destroy_model_parallel()
-    if own:
-        dist.destroy_process_group()
+pytestmark = pytest.mark.usefixtures("one_rank_process_group")
 
 
 @pytest.fixture(scope="module", params=list(ARCHS))
