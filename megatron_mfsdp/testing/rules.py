@@ -112,6 +112,28 @@ def train_worker(rank, world_size, opt_overrides: dict, runs, pp: int = 1):
     return out
 
 
+def tiny_dp_run(rank: int, opt_config, steps: int, layout: str = "owner"):
+    """The tiny GPT (global names) on MatrixFSDP at DP = world in ``layout``, trained ``steps`` steps of one
+    micro-batch with ``opt_config``: (ddp, optimizer, each step's collectives)."""
+    from .. import MatrixFSDP, MatrixFSDPConfig, get_megatron_optimizer
+    from ..optim import registry
+    from .tiny import lm_loss
+
+    init_megatron()
+    config, model = tiny_gpt(by_global_name=True)
+    ddp = MatrixFSDP(config, MatrixFSDPConfig(layout=layout, rules=registry.rule_set((), opt_config, layout)), model)
+    opt = get_megatron_optimizer(opt_config, [ddp])
+    step_calls = []
+    for step in range(1, steps + 1):
+        opt.zero_grad()
+        lm_loss(ddp, micro_batch(step, 0, rank), 1).backward()
+        ddp.finish_grad_sync()
+        with count_collectives() as calls:
+            assert opt.step()[0]
+        step_calls.append(list(calls))
+    return ddp, opt, step_calls
+
+
 def reference_worker(rank, world_size, opt_overrides: dict, runs, dp_size: int):
     """:func:`reference_train` of each (steps, micro-batches) of ``runs`` at ``dp_size``."""
     out = []

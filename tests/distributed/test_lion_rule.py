@@ -6,8 +6,14 @@ only collective. One run_workers per world size."""
 import torch
 
 from megatron_mfsdp.optim.lion import LionSettings
-from megatron_mfsdp.testing import count_collectives, init_megatron, lm_loss, micro_batch, optimizer_config, run_workers
-from megatron_mfsdp.testing.rules import reference_worker, tp_reference_worker, tp_step_worker, train_worker
+from megatron_mfsdp.testing import optimizer_config, run_workers
+from megatron_mfsdp.testing.rules import (
+    reference_worker,
+    tiny_dp_run,
+    tp_reference_worker,
+    tp_step_worker,
+    train_worker,
+)
 
 STEPS = 2
 RUNS = [(STEPS, 1), (STEPS, 4)]
@@ -25,23 +31,7 @@ def _tasks(rank, world_size, tasks):
 def _rules_worker(rank, world_size, opt_overrides, steps):
     """The tiny GPT at DP = world, trained ``steps`` steps: its weights, the rule of every piece this rank
     owns (by global name) and each step's collectives."""
-    from megatron_mfsdp import MatrixFSDP, MatrixFSDPConfig, get_megatron_optimizer
-    from megatron_mfsdp.optim import registry
-    from megatron_mfsdp.testing import tiny_gpt
-
-    init_megatron()
-    opt_config = optimizer_config(**opt_overrides)
-    config, model = tiny_gpt(by_global_name=True)
-    ddp = MatrixFSDP(config, MatrixFSDPConfig(rules=registry.rule_set((), opt_config)), model)
-    opt = get_megatron_optimizer(opt_config, [ddp])
-    step_calls = []
-    for step in range(1, steps + 1):
-        opt.zero_grad()
-        lm_loss(ddp, micro_batch(step, 0, rank), 1).backward()
-        ddp.finish_grad_sync()
-        with count_collectives() as calls:
-            assert opt.step()[0]
-        step_calls.append(list(calls))
+    ddp, opt, step_calls = tiny_dp_run(rank, optimizer_config(**opt_overrides), steps)
     rules = {(o.global_name, o.rule) for o in opt.owned_pieces()}
     return {"params": ddp.full_state_dict(), "rules": rules, "step_calls": step_calls}
 

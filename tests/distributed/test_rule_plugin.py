@@ -7,16 +7,14 @@ scalar) is saved whole under its matrix's name and read back at DP 1 and 4."""
 import torch
 
 from megatron_mfsdp.testing import (
-    count_collectives,
     dist_checkpoint,
     init_megatron,
-    lm_loss,
-    micro_batch,
     optimizer_config,
     reference_train,
     run_workers,
     tiny_gpt,
 )
+from megatron_mfsdp.testing.rules import tiny_dp_run
 
 STEPS = 2
 HIDDEN = ("linear_qkv.weight", "linear_proj.weight", "linear_fc1.weight", "linear_fc2.weight")
@@ -30,23 +28,9 @@ def _toy_config():
 
 
 def _worker(rank, world_size, path, steps):
-    from megatron_mfsdp import MatrixFSDP, MatrixFSDPConfig, get_megatron_optimizer
-    from megatron_mfsdp.optim import registry
     from tests import toy_rule
 
-    opt_config = _toy_config()
-    init_megatron()
-    config, model = tiny_gpt(by_global_name=True)
-    ddp = MatrixFSDP(config, MatrixFSDPConfig(rules=registry.rule_set((), opt_config)), model)
-    opt = get_megatron_optimizer(opt_config, [ddp])
-    step_calls = []
-    for step in range(1, steps + 1):
-        opt.zero_grad()
-        lm_loss(ddp, micro_batch(step, 0, rank), 1).backward()
-        ddp.finish_grad_sync()
-        with count_collectives() as calls:
-            assert opt.step()[0]
-        step_calls.append([tuple(c) for c in calls])
+    ddp, opt, step_calls = tiny_dp_run(rank, _toy_config(), steps)
     if path is not None:
         dist_checkpoint(ddp, opt, path, save=bool(steps))
     toy = {o.global_name: {k: v.clone() for k, v in o.state.items()} for _, o in opt._pieces() if o.rule == "toy"}

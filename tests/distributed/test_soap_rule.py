@@ -9,15 +9,16 @@ import torch
 
 from megatron_mfsdp.optim.soap import SoapSettings
 from megatron_mfsdp.testing import (
-    count_collectives,
-    init_megatron,
-    lm_loss,
-    micro_batch,
     optimizer_config,
     run_workers,
-    tiny_gpt,
 )
-from megatron_mfsdp.testing.rules import reference_worker, tp_reference_worker, tp_step_worker, train_worker
+from megatron_mfsdp.testing.rules import (
+    reference_worker,
+    tiny_dp_run,
+    tp_reference_worker,
+    tp_step_worker,
+    train_worker,
+)
 
 STEPS = 3  # step 1 eigh, steps 2 and 3 QR refreshes
 RUNS = [(STEPS, 1), (STEPS, 4)]  # (steps, micro-batches)
@@ -39,23 +40,7 @@ def _references(rank, world_size):
 
 def _even_worker(rank, world_size, steps):
     """--mfsdp-layout even: every matrix an even slice, its gradient gathered over DP for the step."""
-    from megatron_mfsdp import MatrixFSDP, MatrixFSDPConfig, get_megatron_optimizer
-    from megatron_mfsdp.optim import registry
-
-    init_megatron()
-    opt_config = optimizer_config(**SOAP)
-    config, model = tiny_gpt(by_global_name=True)
-    runtime = MatrixFSDPConfig(layout="even", rules=registry.rule_set((), opt_config, "even"))
-    ddp = MatrixFSDP(config, runtime, model)
-    opt = get_megatron_optimizer(opt_config, [ddp])
-    step_calls = []
-    for step in range(1, steps + 1):
-        opt.zero_grad()
-        lm_loss(ddp, micro_batch(step, 0, rank), 1).backward()
-        ddp.finish_grad_sync()
-        with count_collectives() as calls:
-            assert opt.step()[0]
-        step_calls.append(list(calls))
+    ddp, opt, step_calls = tiny_dp_run(rank, optimizer_config(**SOAP), steps, layout="even")
     rules = sorted({(o.rule, o.master.dim()) for _, o in opt._pieces()})
     return {"params": ddp.full_state_dict(), "step_calls": step_calls, "rules": rules}
 
