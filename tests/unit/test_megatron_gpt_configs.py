@@ -186,7 +186,6 @@ def test_the_config_list_is_megatron_lms_at_a_named_commit():
 
 
 def test_a_model_config_becomes_the_command_line_megatron_lms_launcher_passes():
-    pytest.importorskip("yaml")
     text = """
 BASE: &BASE
   --num-layers: 2
