@@ -166,9 +166,9 @@ def test_cached_logits_equal_a_full_forward(model):
 
 
 def test_decoding_linear_forward_is_bitwise_megatrons(model, monkeypatch):
-    """kv_cache runs each linear layer's forward without megatron-core's autograd Function (the same
-    matmul and bias add): a full forward's logits are bitwise those of megatron-core's own path, and
-    every linear layer went through the plain forward."""
+    """kv_cache runs each linear layer's forward without megatron-core's autograd Functions (the same
+    matmul and bias add; at TP 1 no identity copies or reductions): a full forward's logits are bitwise
+    those of megatron-core's own path, and every linear layer went through the plain forward."""
     from megatron_mfsdp.models.gpt import kv_cache
 
     calls = []
@@ -176,10 +176,11 @@ def test_decoding_linear_forward_is_bitwise_megatrons(model, monkeypatch):
     monkeypatch.setattr(kv_cache, "_matmul_forward", lambda *a, **k: calls.append(1) or plain(*a, **k))
     tokens = torch.tensor(prompt_ids([11, 11], seed=3))
     linears = kv_cache.tensor_parallel_linears(model)
+    before = [dict(layer.__dict__) for layer in linears]
     with torch.inference_mode(), kv_cache._plain_linear_forward(linears):
         ours = full_logits(model, tokens)
     assert len(calls) == len(linears) > 0
-    assert all("_forward_impl" not in layer.__dict__ for layer in linears)  # restored
+    assert [dict(layer.__dict__) for layer in linears] == before  # every switched attribute restored
     assert torch.equal(ours, full_logits(model, tokens))
 
 

@@ -90,16 +90,26 @@ def _plain_linear_forward(layers: list):
     """Each tensor-parallel linear layer's forward without its torch.autograd.Function: under inference
     mode the Function only runs its forward, but its Python wrapping costs about as much as a decode
     step's matmuls on a small model (measured: 0.57 s to 0.45 s for 256 tokens on the default model).
-    The layers' own communication (gathers, all-reduces) stays where megatron-core puts it, outside."""
-    saved = [layer.__dict__.get("_forward_impl") for layer in layers]
+    The layers' own communication (gathers, all-reduces) stays where megatron-core puts it, outside.
+    A column-parallel layer's input copy (copy_to_tensor_model_parallel_region: the identity forward,
+    an all-reduce of the input gradient backward) is skipped as its ``disable_grad_reduce`` does:
+    there is no backward here. At TP 1 a row-parallel layer's output all-reduce is the identity too; one
+    whose caller adds the bias (``skip_bias_add``, as in the GPT layers) skips it the way megatron-core
+    lets an expert layer that communicates itself (``explicit_expert_comm``) do."""
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear
+
+    flags = ("_forward_impl", "disable_grad_reduce", "explicit_expert_comm")
+    saved = [{k: layer.__dict__[k] for k in flags if k in layer.__dict__} for layer in layers]
     for layer in layers:
         if not layer.sequence_parallel:
             layer._forward_impl = _matmul_forward
+        if isinstance(layer, ColumnParallelLinear):
+            layer.disable_grad_reduce = True
+        elif layer.tp_group.size() == 1 and layer.skip_bias_add:
+            layer.explicit_expert_comm = True
     try:
         yield
     finally:
-        for layer, impl in zip(layers, saved):
-            if impl is None:
-                layer.__dict__.pop("_forward_impl", None)
-            else:
-                layer._forward_impl = impl
+        for layer, before in zip(layers, saved):
+            layer.__dict__.pop("_forward_impl", None)
+            layer.__dict__.update(before)
