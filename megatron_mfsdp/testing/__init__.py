@@ -4,7 +4,18 @@ Muon baselines (baselines), dist checkpoints of a chunk (checkpoints)."""
 
 from .checkpoints import dist_checkpoint
 from .reference import assemble_optimizer_state, reference_train
-from .tiny import MBS, SEQ, VOCAB, init_megatron, lm_loss, micro_batch, optimizer_config, tiny_gpt, tiny_gpt_config
+from .tiny import (
+    MBS,
+    SEQ,
+    VOCAB,
+    forward_step,
+    init_megatron,
+    lm_loss,
+    micro_batch,
+    optimizer_config,
+    tiny_gpt,
+    tiny_gpt_config,
+)
 from .workers import Call, CallLog, count_collectives, free_port, run_workers
 
 __all__ = [
@@ -15,6 +26,7 @@ __all__ = [
     "SEQ",
     "VOCAB",
     "init_megatron",
+    "forward_step",
     "lm_loss",
     "micro_batch",
     "optimizer_config",

@@ -15,7 +15,7 @@ import zlib
 import torch
 
 from .reference import reference_step, reference_train
-from .tiny import init_megatron, micro_batch, optimizer_config, tiny_gpt
+from .tiny import forward_step, init_megatron, lm_loss, micro_batch, optimizer_config, tiny_gpt
 from .workers import count_collectives
 
 
@@ -28,18 +28,6 @@ def synthetic_grad(name: str, shape, step: int) -> torch.Tensor:
         return noise * 1e-2
     low = torch.randn(shape[0], 2, generator=g) @ torch.randn(2, shape[1], generator=g)
     return (noise + low) * 1e-2
-
-
-def _forward_step(data_iterator, model):
-    tokens = next(data_iterator)
-    positions = torch.arange(tokens.shape[1]).expand_as(tokens)
-    output = model(tokens, positions, None, labels=tokens)
-
-    def loss_func(output_tensor):
-        loss = output_tensor.float().mean()
-        return loss, {"lm loss": loss.detach().clone()}
-
-    return output, loss_func
 
 
 def _build(opt_overrides: dict, tp: int = 1, pp: int = 1):
@@ -104,7 +92,7 @@ def train_worker(rank, world_size, opt_overrides: dict, runs, pp: int = 1):
         for step in range(1, steps + 1):
             opt.zero_grad()
             batches = iter([micro_batch(step, k, dp_rank) for k in range(num_micro)])
-            forward_backward(_forward_step, batches, [ddp], num_micro, 16, 2)
+            forward_backward(forward_step, batches, [ddp], num_micro, 16, 2)
             with count_collectives() as calls:
                 assert opt.step()[0]
             step_calls.append(list(calls))
@@ -117,7 +105,6 @@ def tiny_dp_run(rank: int, opt_config, steps: int, layout: str = "owner"):
     micro-batch with ``opt_config``: (ddp, optimizer, each step's collectives)."""
     from .. import MatrixFSDP, MatrixFSDPConfig, get_megatron_optimizer
     from ..optim import registry
-    from .tiny import lm_loss
 
     init_megatron()
     config, model = tiny_gpt(by_global_name=True)
@@ -154,7 +141,7 @@ def tp_step_worker(rank, world_size, opt_overrides: dict, steps: int):
     step_calls = []
     for step in range(1, steps + 1):
         opt.zero_grad()
-        forward_backward(_forward_step, iter([micro_batch(step, 0, 0)]), [ddp], 1, 16, 2)
+        forward_backward(forward_step, iter([micro_batch(step, 0, 0)]), [ddp], 1, 16, 2)
         for piece in opt.owned_pieces():
             piece.grad.copy_(_piece_grad(piece, step))
         with count_collectives() as calls:

@@ -89,6 +89,19 @@ def lm_loss(model, tokens: torch.Tensor, num_micro: int) -> torch.Tensor:
     return per_token.float().mean() / num_micro
 
 
+def forward_step(data_iterator, model):
+    """megatron-core's schedule contract for the tiny GPT: the mean per-token loss of the next batch."""
+    tokens = next(data_iterator)
+    positions = torch.arange(tokens.shape[1]).expand_as(tokens)
+    output = model(tokens, positions, None, labels=tokens)
+
+    def loss_func(output_tensor):
+        loss = output_tensor.float().mean()
+        return loss, {"lm loss": loss.detach().clone()}
+
+    return output, loss_func
+
+
 def optimizer_config(**overrides):
     """The optimizer settings the exactness tests use: Muon on the hidden matrices (momentum
     0.95, Nesterov, spectral x 0.2, Jordan's constants), fp32 Newton-Schulz, no clipping."""

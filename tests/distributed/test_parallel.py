@@ -9,6 +9,7 @@ import torch
 
 from megatron_mfsdp.testing import (
     count_collectives,
+    forward_step,
     init_megatron,
     micro_batch,
     optimizer_config,
@@ -19,18 +20,6 @@ from megatron_mfsdp.testing import (
 
 STEPS = 3
 NS_STEPS = 5
-
-
-def _forward_step(data_iterator, model):
-    tokens = next(data_iterator)
-    positions = torch.arange(tokens.shape[1]).expand_as(tokens)
-    output = model(tokens, positions, None, labels=tokens)
-
-    def loss_func(output_tensor):
-        loss = output_tensor.float().mean()
-        return loss, {"lm loss": loss.detach().clone()}
-
-    return output, loss_func
 
 
 def _layout_worker(rank, world_size, tp, mode, pp=1, num_micro=1, qkv_owners="whole"):
@@ -65,7 +54,7 @@ def _layout_worker(rank, world_size, tp, mode, pp=1, num_micro=1, qkv_owners="wh
     for step in range(1, STEPS + 1):
         opt.zero_grad()
         batches = iter([micro_batch(step, k, dp_rank) for k in range(num_micro)])
-        forward_backward(_forward_step, batches, [ddp], num_micro, 16, 2)
+        forward_backward(forward_step, batches, [ddp], num_micro, 16, 2)
         with count_collectives() as calls:
             assert opt.step()[0]
         step_calls.append(list(calls))
