@@ -33,15 +33,18 @@ def _groups(chunks, groups):
     return chunks[0].groups if hasattr(chunks[0], "groups") else ProcessGroups.data_parallel_only()
 
 
-def common_state(args, iteration: int, scheduler, consumed: tuple[int, int], megatron_ddp: bool, groups) -> dict:
-    """Megatron-LM's common keys (args, checkpoint_version, iteration, opt_param_scheduler) in plain values."""
+def common_state(
+    args, iteration: int, scheduler, consumed: tuple[int, int], megatron_ddp: bool, groups, flops: float = 0.0
+) -> dict:
+    """Megatron-LM's common keys (args, checkpoint_version, iteration, the floating-point operations so far,
+    opt_param_scheduler) in plain values."""
     args_plain = ckpt_state.args_dict(args)
     args_plain["consumed_train_samples"], args_plain["consumed_valid_samples"] = consumed
     out = {
         "args": args_plain,
         "checkpoint_version": ckpt_state.CHECKPOINT_VERSION,
         "iteration": iteration,
-        "num_floating_point_operations_so_far": getattr(args, "num_floating_point_operations_so_far", 0),
+        "num_floating_point_operations_so_far": flops,
         "mfsdp": {"layout": torch_dist.layout_sizes(groups), "megatron_ddp": megatron_ddp},
     }
     if scheduler is not None and not getattr(args, "no_save_optim", False):
@@ -49,11 +52,11 @@ def common_state(args, iteration: int, scheduler, consumed: tuple[int, int], meg
     return out
 
 
-def build_state(args, iteration, chunks, optimizer, scheduler, consumed, groups=None) -> dict:
+def build_state(args, iteration, chunks, optimizer, scheduler, consumed, groups=None, flops: float = 0.0) -> dict:
     """The whole sharded state dict of one rank for dist_checkpointing.save."""
     megatron_ddp = _is_megatron_ddp(chunks)
     groups = _groups(chunks, groups)
-    state = common_state(args, iteration, scheduler, consumed, megatron_ddp, groups)
+    state = common_state(args, iteration, scheduler, consumed, megatron_ddp, groups, flops)
     model = torch_dist.sharded_model(chunks, megatron_ddp)
     state.update(model)
     if optimizer is not None and not getattr(args, "no_save_optim", False):
@@ -180,9 +183,13 @@ def _shares() -> str:
     )
 
 
-def save_checkpoint(args, iteration: int, chunks, optimizer, scheduler, consumed=(0, 0), groups=None) -> str:
+def save_checkpoint(
+    args, iteration: int, chunks, optimizer, scheduler, consumed=(0, 0), groups=None, flops: float = 0.0
+) -> str:
     """Save into ``args.save`` in ``args.ckpt_format``; with ``args.async_save`` the write runs in the
-    background (finished by :func:`maybe_finalize_async_save`). Collective. Returns the final folder."""
+    background (finished by :func:`maybe_finalize_async_save`). Collective. Returns the final folder.
+    ``flops``: the floating-point operations of the training so far (Megatron-LM's
+    num_floating_point_operations_so_far)."""
     finalize_async_save(blocking=True)
     start = time.perf_counter()
     tmp = _begin(args.save, iteration)
@@ -190,14 +197,14 @@ def save_checkpoint(args, iteration: int, chunks, optimizer, scheduler, consumed
         entries, error = {}, None
         try:
             layout = torch_dist.layout_sizes(_groups(chunks, groups))
-            state = local.rank_state(args, iteration, chunks, optimizer, scheduler, consumed, layout)
+            state = local.rank_state(args, iteration, chunks, optimizer, scheduler, consumed, layout, flops)
             entries = local.save_rank_file(tmp, state)
         except Exception as err:  # noqa: BLE001 - agreed below: no rank may wait alone in the gather
             error = f"writing {tmp}: {err}"
         integrity.agree(error)
         final = _publish(args.save, iteration, tmp, "torch", entries, _retire_settings(args))
     else:
-        state = build_state(args, iteration, chunks, optimizer, scheduler, consumed, groups)
+        state = build_state(args, iteration, chunks, optimizer, scheduler, consumed, groups, flops)
         if getattr(args, "async_save", False):
             request = torch_dist.save_request(_host_snapshot(state), tmp)
             _PENDING.append(_Pending(request, args.save, iteration, tmp, _retire_settings(args)))

@@ -78,8 +78,9 @@ def _model_state(chunks) -> list:
     ]
 
 
-def rank_state(args, iteration: int, chunks, optimizer, scheduler, consumed, layout=None) -> dict:
-    """This rank's whole state; ``layout`` is [PP, TP, DP] (checkpoint/dist.py layout_sizes)."""
+def rank_state(args, iteration: int, chunks, optimizer, scheduler, consumed, layout=None, flops: float = 0.0) -> dict:
+    """This rank's whole state; ``layout`` is [PP, TP, DP] (checkpoint/dist.py layout_sizes), ``flops`` the
+    floating-point operations so far."""
     saved_args = ckpt_state.args_dict(args)
     saved_args["consumed_train_samples"], saved_args["consumed_valid_samples"] = consumed
     state = {
@@ -94,7 +95,7 @@ def rank_state(args, iteration: int, chunks, optimizer, scheduler, consumed, lay
         "opt_param_scheduler": scheduler.state_dict(),
         "rng": ckpt_state.rng_tensors(),
         "args": saved_args,
-        "num_floating_point_operations_so_far": getattr(args, "num_floating_point_operations_so_far", 0),
+        "num_floating_point_operations_so_far": flops,
     }
     if _megatron_ddp(chunks):
         state["param_state"] = [_parameter_state(m) if _is_distributed(m) else None for m in _members(optimizer)]

@@ -343,8 +343,7 @@ def _save(args, run, iteration: int, interval: _Interval) -> int:
     paused = time.perf_counter()
     _finish_async_save(args, run, blocking=True)  # what save_checkpoint would do first, seen by --log-progress
     consumed = (run.consumed_train, run.consumed_valid)
-    args.num_floating_point_operations_so_far = run.progress.flops  # the checkpoint's common state keeps it
-    save_checkpoint(args, iteration, run.chunks, run.optimizer, run.scheduler, consumed, run.groups)
+    save_checkpoint(args, iteration, run.chunks, run.optimizer, run.scheduler, consumed, run.groups, run.progress.flops)
     run.progress.saved(iteration, run.consumed_train)
     interval.paused += time.perf_counter() - paused
     return iteration
