@@ -56,7 +56,7 @@ import torch.distributed as dist
 from megatron_mfsdp.optim import registry
 from megatron_mfsdp.optim.muon import NS_COEFFICIENTS, NS_DTYPES, NewtonSchulzCost, newton_schulz, scaled_update
 from megatron_mfsdp.placement import POLICIES
-from megatron_mfsdp.placement.rules import MATRIX
+from megatron_mfsdp.placement.classes import MATRIX
 from megatron_mfsdp.testing import count_collectives, run_workers
 from megatron_mfsdp.testing.baselines import MuonHyper, ReconstructionMuon, ReplicatedMuon
 

@@ -16,8 +16,8 @@ from megatron.core.optimizer import OptimizerConfig
 from .optim.muon import NS_ALGORITHMS, NS_COEFFICIENTS, NS_DTYPES, SCALE_MODES
 from .optim.muon_tp import TP_MODES
 from .placement.blocks import MODES as QKV_OWNER_MODES
+from .placement.classes import LAYOUTS, MATRIX, RuleSet
 from .placement.planner import POLICIES
-from .placement.rules import LAYOUTS, MATRIX, RuleSet
 from .precision.fp8 import Fp8Config
 from .runtime.comm import REDUCE_ORDERS
 

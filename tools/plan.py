@@ -121,7 +121,7 @@ def validate(args) -> None:
     needed only for learned absolute position embeddings, the only shape they change."""
     from megatron_mfsdp.data.datasets import padded_vocab_size
     from megatron_mfsdp.optim import registry
-    from megatron_mfsdp.placement.rules import parse_rule
+    from megatron_mfsdp.placement.classes import parse_rule
     from megatron_mfsdp.training.arguments import validate as checks
 
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size

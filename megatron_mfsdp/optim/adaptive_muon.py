@@ -43,7 +43,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..groups import group_rank
-from ..placement.rules import SLICE, WHOLE
+from ..placement.classes import SLICE, WHOLE
 from .matrix import gather_over_tp, settings_in
 from .muon import (
     apply_update_,

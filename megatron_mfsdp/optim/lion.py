@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..placement.rules import SLICE
+from ..placement.classes import SLICE
 from .rule import OwnedPiece, StepContext, UpdateRule
 
 

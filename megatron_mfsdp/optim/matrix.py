@@ -31,7 +31,7 @@ from torch import Tensor
 
 from ..compat.collectives import all_gather_single
 from ..groups import group_rank
-from ..placement.rules import SLICE, WHOLE
+from ..placement.classes import SLICE, WHOLE
 from .muon_even import gather_slices, group_device
 from .rule import OwnedPiece, StepContext, UpdateRule
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..placement.rules import WHOLE
+from ..placement.classes import WHOLE
 from .rule import CostContext, OwnedPiece, StepContext, UpdateRule
 
 Coefficients = tuple[float, float, float]

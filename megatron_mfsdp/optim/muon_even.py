@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..groups import group_rank, group_size
-from ..placement.rules import SLICE
+from ..placement.classes import SLICE
 from .muon import apply_update_, momentum_direction_, scaled_update, splits_qkv, step_kwargs
 from .rule import GroupMatrix, OwnedPiece, StepContext, UpdateRule
 

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..placement.rules import WHOLE
+from ..placement.classes import WHOLE
 from .matrix import gather_over_tp
 from .muon import (
     apply_update_,

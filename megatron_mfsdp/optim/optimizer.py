@@ -21,7 +21,7 @@ from megatron.core.optimizer import MegatronOptimizer, OptimizerConfig
 
 from ..compat.cpu import cuda_on_cpu
 from ..groups import group_rank, group_size
-from ..placement.rules import MATRIX, WHOLE
+from ..placement.classes import MATRIX, WHOLE
 from ..precision import new_fp8_state, quantization_error
 from ..profiling import OPTIMIZER_STEP, RULE, profile_range
 from . import registry

@@ -2,7 +2,7 @@
 ``RULE`` (see rule.py and CONTRIBUTING.md) plus its entry in ``_ENTRIES``.
 
 The optimizer shell, placement and the command line read everything from here. A model tags
-its parameters by role (placement/rules.py: MATRIX, ELEMENTWISE); ``--optimizer`` names the
+its parameters by role (placement/classes.py: MATRIX, ELEMENTWISE); ``--optimizer`` names the
 rule of the matrices (the rule that declares ``optimizer=``), and that rule names the rule of
 the elementwise parameters (its ``elementwise``; an elementwise optimizer runs on both).
 ``--mfsdp-param-rule`` names rules directly. Placement takes each rule's storage, cost and state
@@ -16,7 +16,7 @@ import dataclasses
 import functools
 from collections.abc import Sequence
 
-from ..placement.rules import ELEMENTWISE, LAYOUTS, MATRIX, ROLES, SLICE, WHOLE, RuleKind, RuleSet
+from ..placement.classes import ELEMENTWISE, LAYOUTS, MATRIX, ROLES, SLICE, WHOLE, RuleKind, RuleSet
 from . import adamw, adaptive_muon, lion, muon, muon_even, muon_tp, sgd, shampoo, soap
 from .rule import CostContext, UpdateRule
 

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..placement.rules import SLICE
+from ..placement.classes import SLICE
 from .rule import OwnedPiece, StepContext, UpdateRule
 
 

@@ -2,9 +2,9 @@
 matrix (planner), where every element lives in its unit's flat buffer (layout), and
 the checks that all ranks agree (verify). Nothing here imports a model."""
 
+from .classes import SLICE, WHOLE, RuleKind, RuleSet, parse_rule
 from .layout import LocalPiece, ParamSlot, ParamSpec, Plan, UnitLayout, UnitSpec, balance
 from .planner import POLICIES, plan_units
-from .rules import SLICE, WHOLE, RuleKind, RuleSet, parse_rule
 from .verify import GATHER, REDUCE, check_signature, verify_plan_agreement
 
 __all__ = [

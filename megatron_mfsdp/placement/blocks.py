@@ -21,8 +21,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+from .classes import WHOLE
 from .layout import ParamSpec, UnitSpec
-from .rules import WHOLE
 
 MODES = ("whole", "contiguous", "all")
 """whole: Q, K, V on one owner; contiguous: apart where a TP shard holds one query group;

@@ -16,8 +16,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from .classes import WHOLE
 from .layout import UnitSpec
-from .rules import WHOLE
 
 
 def max_load_bound(sizes: Sequence[int], world_size: int) -> int:

@@ -19,7 +19,7 @@ import json
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
-from .rules import ELEMENTWISE, MATRIX, WHOLE
+from .classes import ELEMENTWISE, MATRIX, WHOLE
 
 
 @dataclass

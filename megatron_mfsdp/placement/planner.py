@@ -22,8 +22,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from .classes import WHOLE
 from .layout import ParamSpec, Plan, UnitSpec, layout_units
-from .rules import WHOLE
 from .search import OwnerSearch
 
 POLICIES = ("greedy", "global", "auto")

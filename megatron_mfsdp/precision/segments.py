@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..placement.classes import WHOLE
 from ..placement.layout import ParamSlot, UnitLayout
-from ..placement.rules import WHOLE
 from .fp8 import (
     Fp8Config,
     Fp8Weight,

@@ -87,7 +87,7 @@ def _rule_step(rule, p, name, grad, state, opt_config, step: int, split_rows=Non
     from ..optim import registry
     from ..optim.optimizer import no_weight_decay
     from ..optim.rule import OwnedPiece, StepContext
-    from ..placement.rules import WHOLE
+    from ..placement.classes import WHOLE
 
     shape = tuple(p.shape) if rule.storage == WHOLE else (p.numel(),)
     piece = OwnedPiece(name, name, rule.name, p.numel(), 0, p.data.view(shape), grad.view(shape), split_rows=split_rows)

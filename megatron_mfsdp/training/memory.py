@@ -142,7 +142,7 @@ def owner_bytes(chunks, optimizer, dp_rank: int) -> dict[str, int]:
     figure is."""
     from ..config import MatrixFSDPOptimizerConfig
     from ..optim.rule import CostContext
-    from ..placement.rules import WHOLE
+    from ..placement.classes import WHOLE
 
     config = MatrixFSDPOptimizerConfig(optimizer=optimizer) if isinstance(optimizer, str) else optimizer
     held = dict(params=0, grads=0, masters=0, optimizer_state=0)

@@ -1,5 +1,5 @@
 """--optimizer adaptive_muon (adamuon and normuon) held to the single-process reference
-(megatron_mfsdp/testing/rules.py): DP 2 and DP 4 with 1 and 4 micro-batches, PP 2, TP 2 duplicated (at the
+(megatron_mfsdp/testing/exactness.py): DP 2 and DP 4 with 1 and 4 micro-batches, PP 2, TP 2 duplicated (at the
 optimizer) and --mfsdp-layout even bitwise; TP 2 distributed within a stated tolerance. The owner step's
 only collective is the gradient statistics; duplicated adds one TP all-gather per matrix, even one DP
 gather per matrix. One run_workers per world size."""
@@ -8,7 +8,7 @@ import torch
 
 from megatron_mfsdp.optim.adaptive_muon import NORMUON_STATE, AdaptiveMuonSettings
 from megatron_mfsdp.testing import optimizer_config, run_workers
-from megatron_mfsdp.testing.rules import (
+from megatron_mfsdp.testing.exactness import (
     reference_worker,
     tiny_dp_run,
     tp_reference_worker,

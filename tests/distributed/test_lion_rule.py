@@ -1,5 +1,5 @@
 """--optimizer lion (Lion on every parameter) and --muon-scalar-optimizer lion (Lion on Muon's elementwise
-parameters) held to the single-process reference (megatron_mfsdp/testing/rules.py): DP 2 and DP 4 with 1
+parameters) held to the single-process reference (megatron_mfsdp/testing/exactness.py): DP 2 and DP 4 with 1
 and 4 micro-batches, PP 2 and TP 2 (at the optimizer) bitwise, with the gradient statistics as the step's
 only collective. One run_workers per world size."""
 
@@ -7,7 +7,7 @@ import torch
 
 from megatron_mfsdp.optim.lion import LionSettings
 from megatron_mfsdp.testing import optimizer_config, run_workers
-from megatron_mfsdp.testing.rules import (
+from megatron_mfsdp.testing.exactness import (
     reference_worker,
     tiny_dp_run,
     tp_reference_worker,

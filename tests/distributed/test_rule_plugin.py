@@ -14,7 +14,7 @@ from megatron_mfsdp.testing import (
     run_workers,
     tiny_gpt,
 )
-from megatron_mfsdp.testing.rules import tiny_dp_run
+from megatron_mfsdp.testing.exactness import tiny_dp_run
 
 STEPS = 2
 HIDDEN = ("linear_qkv.weight", "linear_proj.weight", "linear_fc1.weight", "linear_fc2.weight")

@@ -1,4 +1,4 @@
-"""``--optimizer shampoo`` held to the single-process reference (megatron_mfsdp/testing/rules.py) at DP 2
+"""``--optimizer shampoo`` held to the single-process reference (megatron_mfsdp/testing/exactness.py) at DP 2
 and 4 (1 and 4 micro-batches), PP 2 and TP 2 (``duplicated``, at the optimizer), all bitwise, with the
 owner step's only collective the two-scalar gradient-statistics all-reduce; and ``--mfsdp-layout even``
 bitwise the owner layout at DP 2. A precondition frequency of 2 puts the first roots at step 2 (step 1 is
@@ -19,7 +19,7 @@ from megatron_mfsdp.testing import (
     run_workers,
     tiny_gpt,
 )
-from megatron_mfsdp.testing.rules import (
+from megatron_mfsdp.testing.exactness import (
     reference_worker,
     tp_reference_worker,
     tp_step_worker,
@@ -68,7 +68,7 @@ def _layout_run(rank, layout: str, steps: int, num_micro: int) -> dict:
 
 
 def _dp2_worker(rank, world_size):
-    """One process start for everything at DP 2: the rules.py runs and both layouts."""
+    """One process start for everything at DP 2: the exactness.py runs and both layouts."""
     layouts = {layout: _layout_run(rank, layout, STEPS, 2) for layout in ("owner", "even")}
     return {"runs": train_worker(rank, world_size, _overrides(), RUNS), "layouts": layouts}
 

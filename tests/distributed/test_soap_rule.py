@@ -1,5 +1,5 @@
 """--optimizer soap as a MatrixFSDP rule (megatron_mfsdp/optim/soap.py) against the single-process
-reference (megatron_mfsdp/testing/rules.py): DP 2 and 4 with 1 and 4 micro-batches and PP 2 bitwise,
+reference (megatron_mfsdp/testing/exactness.py): DP 2 and 4 with 1 and 4 micro-batches and PP 2 bitwise,
 each owner-layout step moving no tensor (its only collective is the two-scalar gradient-statistics
 all-reduce); TP 2 ``duplicated`` bitwise TP 1 at the optimizer; TP 2 ``blockwise`` on the TP-local
 shards with no collective; ``--mfsdp-layout even`` bitwise the owner layout. Then the command line."""
@@ -12,7 +12,7 @@ from megatron_mfsdp.testing import (
     optimizer_config,
     run_workers,
 )
-from megatron_mfsdp.testing.rules import (
+from megatron_mfsdp.testing.exactness import (
     reference_worker,
     tiny_dp_run,
     tp_reference_worker,

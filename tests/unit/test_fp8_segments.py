@@ -4,9 +4,9 @@ encode and every rank's decode, bf16 layers, and the TE fallback on a machine wi
 import pytest
 import torch
 
+from megatron_mfsdp.placement.classes import SLICE, WHOLE
 from megatron_mfsdp.placement.layout import ParamSpec, UnitSpec
 from megatron_mfsdp.placement.planner import plan_units
-from megatron_mfsdp.placement.rules import SLICE, WHOLE
 from megatron_mfsdp.precision import (
     Fp8Config,
     UnitCodec,

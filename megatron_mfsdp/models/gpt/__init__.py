@@ -8,7 +8,7 @@ import torch
 
 from .build import build_gpt_model, gpt_layer_spec, initialize_by_global_name
 from .naming import global_parameter_names
-from .rules import gpt_param_roles, qkv_split_rows
+from .roles import gpt_param_roles, qkv_split_rows
 from .units import TIED_EMBEDDING, gpt_model_units
 
 

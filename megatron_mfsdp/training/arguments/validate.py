@@ -526,7 +526,7 @@ def _matrix_rule(args):
 
 def validate_optimizer(args) -> None:
     from ...optim import registry
-    from ...placement.rules import parse_rule
+    from ...placement.classes import parse_rule
     from ..setup import MEGATRON_OPTIMIZERS, optimizer_config, runtime_config
 
     args.muon_ns_dtype = args.muon_ns_dtype or _ns_dtype(args)

@@ -1,7 +1,7 @@
 """Which placement class each parameter gets, and so how it is stored.
 
 A rule list maps fnmatch patterns on parameter names to a class: a *role* the model's adapter
-gives (``models/gpt/rules.py``: a hidden matrix, or an elementwise parameter: norms, biases,
+gives (``models/gpt/roles.py``: a hidden matrix, or an elementwise parameter: norms, biases,
 embeddings, the output layer), or an update rule a user names (``--mfsdp-param-rule``, tried
 first); the first match wins. Placement only needs three facts of each class, given by the
 optimizer's registry for the rule that will run on it: its *storage* (the whole matrix on one

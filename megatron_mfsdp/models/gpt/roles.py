@@ -9,7 +9,7 @@ on the rest; with --optimizer adam, AdamW on all.
 
 from __future__ import annotations
 
-from ...placement.rules import ELEMENTWISE, MATRIX
+from ...placement.classes import ELEMENTWISE, MATRIX
 
 _TAIL_PATTERNS = (
     "*embedding*",
