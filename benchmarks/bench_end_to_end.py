@@ -5,8 +5,8 @@ on the same model and data in one run, through pretrain_gpt.py's code path
 ours   --use-matrix-fsdp (--mfsdp-layout owner): each Muon matrix whole on one DP owner; the
        optimizer step moves no tensor data (one all-reduce of 2 scalars).
 even   --use-matrix-fsdp --mfsdp-layout even: the same runtime with ordinary ZeRO-3 even flat
-       shards and reconstruction Muon (optim/muon_even.py: each matrix's direction gathered over
-       DP per step, Newton-Schulz on every rank): the paper's baseline.
+       shards and reconstruction Muon (optim/matrix.py's even variant of Muon: each matrix's
+       direction gathered over DP per step, Newton-Schulz on every rank): the paper's baseline.
 ddp    pretrain_gpt.py without --use-matrix-fsdp: plain data parallelism. With --optimizer muon
        that is the replicated backend (full weights, gradients and momentum on every rank,
        gradients all-reduced, Muon on every full matrix on every rank); megatron-core 0.16.1's

@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 from torch.overrides import TorchFunctionMode  # noqa: E402
 
-from megatron_mfsdp.optim import muon  # noqa: E402
+from megatron_mfsdp.optim import newton_schulz as muon  # noqa: E402
 
 STEPS, COEFFICIENTS = 5, "simple"
 PRODUCTS = {

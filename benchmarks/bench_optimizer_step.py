@@ -35,11 +35,18 @@ non-elementwise state replicated there), from the same weights and reduced gradi
 (slowest rank, median), collectives and bytes moved per step (busiest rank), bytes held per rank
 (busiest rank; optimizer state apart), and that both end with bitwise equal weights.
 
+``--batched``: batched directions against the per-matrix loop, per rule with a batched hook
+(optim/matrix.py MatrixMath.batched): ``--batched-count`` same-shape matrices (default 64 of
+512 x 1408, an expert's size in a small MoE) on one owner in one process, one step each way from
+the same state after a first untimed step (SOAP's first is its eigh); the median step ms of each,
+their ratio, and how far the batched weights end from the loop's (bitwise where the kernels allow).
+
 Run from the repository root:
 
     .venv/bin/python benchmarks/bench_optimizer_step.py            # W = 2 and 4
     .venv/bin/python benchmarks/bench_optimizer_step.py --quick    # CI smoke, < 60 s
     .venv/bin/python benchmarks/bench_optimizer_step.py --rules soap shampoo --skip-muon-baselines
+    .venv/bin/python benchmarks/bench_optimizer_step.py --batched [--batched-count 64 --batched-shape 512 1408]
 """
 
 from __future__ import annotations
@@ -53,12 +60,14 @@ import time
 import torch
 import torch.distributed as dist
 
-from megatron_mfsdp.optim import registry
-from megatron_mfsdp.optim.muon import NS_COEFFICIENTS, NS_DTYPES, NewtonSchulzCost, newton_schulz, scaled_update
+from megatron_mfsdp.config import muon_rule_set
+from megatron_mfsdp.optim import muon, registry
+from megatron_mfsdp.optim.muon import MuonSettings
+from megatron_mfsdp.optim.newton_schulz import NS_COEFFICIENTS, NS_DTYPES, NewtonSchulzCost
 from megatron_mfsdp.placement import POLICIES
 from megatron_mfsdp.placement.classes import MATRIX
 from megatron_mfsdp.testing import count_collectives, run_workers
-from megatron_mfsdp.testing.baselines import MuonHyper, ReconstructionMuon, ReplicatedMuon
+from megatron_mfsdp.testing.baselines import BaselineHyper, ReconstructionMuon, ReplicatedMuon
 
 METHODS = ("ours", "recon", "replicated")
 
@@ -100,7 +109,7 @@ def _worker(rank, world, a):
     )
     model = build_gpt_model(config, vocab_size=a["vocab_size"], max_sequence_length=a["seq_length"])
     ns = NewtonSchulzCost(a["ns_steps"], a["ns_dtype"], "auto", on_cpu=True)
-    rules = registry.muon_rule_set(ns, a["split_qkv"])
+    rules = muon_rule_set(ns, a["split_qkv"])
     ddp = MatrixFSDP(config, MatrixFSDPConfig(planner=a["planner"], rules=rules), model)
     opt_cfg = MatrixFSDPOptimizerConfig(
         optimizer="muon",
@@ -111,16 +120,15 @@ def _worker(rank, world, a):
         min_lr=1e-2,
         weight_decay=0.1,
         clip_grad=0.0,
-        muon_ns_dtype=a["ns_dtype"],
         muon_num_ns_steps=a["ns_steps"],
-        muon_coefficient_type=a["coefficients"],
+        rule_settings={"muon": MuonSettings(a["coefficients"], a["ns_dtype"], "auto")},
         muon_split_qkv=a["split_qkv"],
         adam_beta1=0.9,
         adam_beta2=0.95,
         adam_eps=1e-8,
     )
     opt = get_megatron_optimizer(opt_cfg, [ddp])
-    hyper = MuonHyper(opt_cfg)
+    hyper = BaselineHyper(opt_cfg)
 
     # One real forward/backward (different tokens per rank), reduced onto the owners.
     g = torch.Generator().manual_seed(1000 + rank)
@@ -230,10 +238,7 @@ def _worker(rank, world, a):
 
     def ns_loop(items):
         for m, q in items:
-            if q is None:
-                newton_schulz(m, hyper.ns["ns_steps"], hyper.ns["coefficient_type"], hyper.ns["ns_dtype"])
-            else:
-                scaled_update(m, hyper.lr, qkv_split_shapes=q, **hyper.ns)
+            muon.direction(m, {}, hyper.muon, 0, q)
 
     parts = {"stats": [], "update": [], "ns_owned": [], "ns_all": []}
     for it in range(1 + max(3, a["iters"] // 2)):
@@ -371,6 +376,144 @@ def run_rules(args, worker_args) -> list[dict]:
     return out
 
 
+# --------------------------------------------------------------------------- batched directions
+BATCHED_RULES = {
+    "muon": {},
+    "adaptive_muon adamuon": {"optimizer": "adaptive_muon"},
+    "adaptive_muon normuon": {"optimizer": "adaptive_muon", "adaptive_muon_moment2_method": "normuon"},
+    "soap": {"optimizer": "soap"},
+}
+
+
+def _batched_config(name: str, ns_dtype: str):
+    from megatron_mfsdp.optim.adaptive_muon import AdaptiveMuonSettings
+    from megatron_mfsdp.testing import optimizer_config
+
+    overrides = dict(BATCHED_RULES[name])
+    method = overrides.pop("adaptive_muon_moment2_method", "adamuon")
+    return optimizer_config(
+        **overrides,
+        muon_ns_dtype=ns_dtype,
+        muon_coefficient_type="quintic",
+        muon_ns_algorithm="auto",
+        rule_settings={"adaptive_muon": AdaptiveMuonSettings(method)},
+        lr=1e-3,
+    )
+
+
+def _batched_pieces(rule, config, count: int, shape, seed: int = 0):
+    from megatron_mfsdp.optim.rule import OwnedPiece
+
+    g = torch.Generator().manual_seed(seed)
+    pieces = []
+    for i in range(count):
+        master, grad = torch.randn(shape, generator=g) * 0.02, torch.randn(shape, generator=g) * 1e-3
+        piece = OwnedPiece(f"e{i}", f"e{i}", rule.name, master.numel(), 0, master, grad, param_shape=tuple(shape))
+        piece.state = rule.init_state(piece, rule.settings_in(config))
+        pieces.append(piece)
+    return pieces
+
+
+def _timed_steps(rule, config, pieces, batched: bool, repeats: int) -> list[float]:
+    from megatron_mfsdp.optim import matrix
+    from megatron_mfsdp.optim.rule import StepContext
+
+    on, matrix.BATCHED_ON["cpu"] = matrix.BATCHED_ON["cpu"], batched
+    try:
+        times = []
+        for step in range(1, repeats + 2):  # step 1 untimed (SOAP's eigh, first-touch allocations)
+            ctx = StepContext(config, step, config.lr, 0.1, settings=rule.settings_in(config))
+            t0 = time.perf_counter()
+            rule.step(pieces, ctx)
+            if step > 1:
+                times.append(time.perf_counter() - t0)
+        return times
+    finally:
+        matrix.BATCHED_ON["cpu"] = on
+
+
+def run_batched(args) -> list[dict]:
+    """Every rule with a batched hook: ``count`` same-shape matrices on one owner, batched against the loop."""
+    out = []
+    for name in BATCHED_RULES:
+        config = _batched_config(name, args.ns_dtype)
+        rule = registry.optimizer_rule(config.optimizer)
+        runs = {}
+        for batched in (False, True):
+            pieces = _batched_pieces(rule, config, args.batched_count, tuple(args.batched_shape))
+            start = [p.master.clone() for p in pieces]
+            runs[batched] = (
+                statistics.median(_timed_steps(rule, config, pieces, batched, args.batched_repeats)),
+                pieces,
+            )
+        loop, stacked = runs[False][1], runs[True][1]
+        moved = max((p.master - s).abs().max().item() for p, s in zip(loop, start))
+        diff = max((a.master - b.master).abs().max().item() for a, b in zip(loop, stacked))
+        bitwise = all(
+            torch.equal(a.master, b.master) and all(torch.equal(a.state[k], b.state[k]) for k in a.state)
+            for a, b in zip(loop, stacked)
+        )
+        out.append(
+            dict(
+                rule=name,
+                loop_ms=runs[False][0] * 1e3,
+                batched_ms=runs[True][0] * 1e3,
+                diff=diff,
+                moved=moved,
+                bitwise=bitwise,
+            )
+        )
+    shape = "x".join(map(str, args.batched_shape))
+    print(
+        f"\n=== batched directions: {args.batched_count} matrices of {shape} on one owner, "
+        f"{torch.get_num_threads()} thread(s), Newton-Schulz {args.ns_dtype}, "
+        f"median of {args.batched_repeats} steps ==="
+    )
+    print(
+        f"{'rule':<24} {'loop ms':>10} {'batched ms':>11} {'loop/batched':>13} {'max |diff|':>11} "
+        f"{'/ max step':>11} bitwise"
+    )
+    for r in out:
+        print(
+            f"{r['rule']:<24} {r['loop_ms']:>10.1f} {r['batched_ms']:>11.1f} {r['loop_ms'] / r['batched_ms']:>13.2f} "
+            f"{r['diff']:>11.2e} {r['diff'] / r['moved']:>11.2e} {'yes' if r['bitwise'] else 'no'}"
+        )
+    for r in out:
+        print(
+            f"BATCHED rule={r['rule'].replace(' ', ':')} count={args.batched_count} shape={shape} "
+            f"loop_ms={r['loop_ms']:.2f} batched_ms={r['batched_ms']:.2f} "
+            f"loop_over_batched={r['loop_ms'] / r['batched_ms']:.3f} max_diff={r['diff']:.3e} "
+            f"diff_over_step={r['diff'] / r['moved']:.3e} bitwise={r['bitwise']}"
+        )
+    sys.stdout.flush()
+    return out
+
+
+# --------------------------------------------------------------------------- gradient statistics
+def run_grad_norm(args) -> None:
+    """--grad-norm: the shell's sum of squares (fp32 row norms summed in fp64) against casting to fp64 first
+    and against one fp32 norm, on a 4M-element fp32 gradient: ms each and relative error to fp64."""
+    from megatron_mfsdp.optim.optimizer import sum_of_squares
+
+    t = torch.randn(1 << 22, generator=torch.Generator().manual_seed(0))
+    ways = {
+        "row_norms": lambda: sum_of_squares(t),  # ours
+        "cast_to_fp64": lambda: t.double().square().sum(),
+        "one_fp32_norm": lambda: torch.linalg.vector_norm(t).double().square(),
+    }
+    exact = t.double().square().sum().item()
+    print(f"\n=== gradient sum of squares, {t.numel():,} fp32 elements, {torch.get_num_threads()} thread(s) ===")
+    for name, fn in ways.items():
+        fn()
+        times = []
+        for _ in range(args.iters):
+            t0 = time.perf_counter()
+            value = fn().item()
+            times.append(time.perf_counter() - t0)
+        ms, error = statistics.median(times) * 1e3, abs(value - exact) / exact
+        print(f"GRADNORM way={name} ms={ms:.2f} relative_error={error:.1e}")
+
+
 # --------------------------------------------------------------------------- printing
 def _mb(b):
     return f"{b / 2**20:8.2f} MiB"
@@ -482,6 +625,11 @@ def parse_args(argv=None):
         help="--optimizer values to time owner vs --mfsdp-layout even (default: every one registered; none: skip)",
     )
     p.add_argument("--skip-muon-baselines", action="store_true", help="only the per-rule owner vs even table")
+    p.add_argument("--batched", action="store_true", help="only the batched-directions table (one process)")
+    p.add_argument("--grad-norm", action="store_true", help="only the gradient sum-of-squares timings (one process)")
+    p.add_argument("--batched-count", type=int, default=64, help="same-shape matrices on the owner")
+    p.add_argument("--batched-shape", type=int, nargs=2, default=[512, 1408], metavar=("ROWS", "COLS"))
+    p.add_argument("--batched-repeats", type=int, default=3, help="timed steps each way (after an untimed one)")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--timeout", type=float, default=1800, help="seconds per world size")
     p.add_argument("--quick", action="store_true", help="tiny config for a CI smoke run (< 60 s)")
@@ -503,6 +651,10 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
+    if args.batched or args.grad_norm:
+        torch.set_num_threads(args.cpus)
+        run_batched(args) if args.batched else run_grad_norm(args)
+        return
     worker_args = {
         k: getattr(args, k)
         for k in (

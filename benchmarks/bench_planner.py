@@ -80,7 +80,7 @@ def leading_term(specs):
     leading term of one iteration, the planner's cost before it took the optimizer's run."""
     import dataclasses
 
-    from megatron_mfsdp.optim.muon import orthogonalized_blocks
+    from megatron_mfsdp.optim.newton_schulz import orthogonalized_blocks
     from megatron_mfsdp.placement import WHOLE, UnitSpec
 
     def cost(p):
@@ -95,11 +95,11 @@ def leading_term(specs):
 def split_qkv_owners(specs, mode: str, ns=None):
     """Specs with Q, K and V planned apart where ``mode`` allows (placement/blocks.py), each block
     costed by the Newton-Schulz run ``ns`` (muon.NewtonSchulzCost; the default run if None)."""
-    from megatron_mfsdp.optim import registry
-    from megatron_mfsdp.optim.muon import NewtonSchulzCost
+    from megatron_mfsdp.config import muon_rule_set
+    from megatron_mfsdp.optim.newton_schulz import NewtonSchulzCost
     from megatron_mfsdp.placement.blocks import split_qkv_blocks
 
-    rules = registry.muon_rule_set(ns or NewtonSchulzCost())
+    rules = muon_rule_set(ns or NewtonSchulzCost())
     return split_qkv_blocks(specs, mode, rules.cost, rules.state_bytes)
 
 
@@ -150,7 +150,7 @@ def main() -> None:
     header = (
         f"{'W':>5} {'policy':>14} {'NS old -> new':>16} {'bound':>7}   {'bytes old -> new':>16} {'bound':>7} {'ms':>8}"
     )
-    from megatron_mfsdp.optim.muon import NewtonSchulzCost
+    from megatron_mfsdp.optim.newton_schulz import NewtonSchulzCost
 
     largest = None
     for name in args.cases:

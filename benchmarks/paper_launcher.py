@@ -19,7 +19,7 @@ def _fp32_newton_schulz():
     import torch
     import torch.optim._muon as torch_muon
 
-    from megatron_mfsdp.optim.muon import newton_schulz, ns_coefficients_for
+    from megatron_mfsdp.optim.newton_schulz import newton_schulz, ns_coefficients_for
 
     def orthogonalize(grad, ns_coefficients, ns_steps, eps):
         if tuple(ns_coefficients) != ns_coefficients_for("simple", 1)[0]:

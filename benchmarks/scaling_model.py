@@ -68,7 +68,7 @@ from types import SimpleNamespace
 import torch
 
 from megatron_mfsdp.compat.collectives import all_gather_single
-from megatron_mfsdp.optim.muon import NewtonSchulzCost, newton_schulz_cost
+from megatron_mfsdp.optim.newton_schulz import NewtonSchulzCost, newton_schulz_cost
 from megatron_mfsdp.runtime.chain import CHUNK_BYTES
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -230,6 +230,7 @@ def unit_specs_for(shape: Shape, ns: NewtonSchulzCost = GPU_NS):
     """UnitSpecs of a megatron-core GPT of this shape (TP-local), classified and costed by the library
     (runtime.wrapper.unit_specs with the GPT adapter's rules), from meta tensors: nothing allocated."""
     from megatron_mfsdp import MatrixFSDPConfig
+    from megatron_mfsdp.config import muon_rule_set
     from megatron_mfsdp.models.adapter import ModelUnit
     from megatron_mfsdp.models.gpt import GPT_ADAPTER
     from megatron_mfsdp.runtime.wrapper import unit_specs
@@ -266,9 +267,7 @@ def unit_specs_for(shape: Shape, ns: NewtonSchulzCost = GPU_NS):
         final.append(par("output_layer.weight", s.vocab // t, s.hidden))
     units.append(ModelUnit("final", final, []))
     config = SimpleNamespace(num_attention_heads=s.heads, num_query_groups=s.groups, kv_channels=kv)
-    from megatron_mfsdp.optim import registry
-
-    return unit_specs(units, MatrixFSDPConfig(rules=registry.muon_rule_set(ns)), GPT_ADAPTER, config)
+    return unit_specs(units, MatrixFSDPConfig(rules=muon_rule_set(ns)), GPT_ADAPTER, config)
 
 
 def ns_flops(shape, split_rows, ns: NewtonSchulzCost = GPU_NS) -> int:

@@ -2,9 +2,12 @@
 megatron-core.
 
     from megatron_mfsdp import MatrixFSDP, MatrixFSDPConfig, MatrixFSDPOptimizerConfig, get_megatron_optimizer
+    from megatron_mfsdp.optim import registry
 
-    model = MatrixFSDP(transformer_config, MatrixFSDPConfig(), gpt_model)   # like megatron's DDP
-    optimizer = get_megatron_optimizer(MatrixFSDPOptimizerConfig(optimizer="muon", lr=3e-3), [model])
+    opt_config = MatrixFSDPOptimizerConfig(optimizer="muon", lr=3e-3)      # or soap, shampoo, adam, ...
+    rules = registry.rule_set((), opt_config)                               # optim/registry.py
+    model = MatrixFSDP(transformer_config, MatrixFSDPConfig(rules=rules), gpt_model)   # like megatron's DDP
+    optimizer = get_megatron_optimizer(opt_config, [model])
     print(model.plan.report())                                              # who owns what
 
 ``pretrain_gpt.py`` is the training entry point.

@@ -2,9 +2,12 @@
 
 megatron-core's ``OptimizerConfig`` already carries the Muon knobs (``muon_momentum``,
 ``muon_split_qkv``, ``muon_scale_mode`` ...). We subclass it rather than keep a
-parallel set and add only what megatron-core has no field for. Every field with a
-fixed set of values names it in ``metadata["choices"]``: the command line takes its
-choices and defaults from these dataclasses (one source of truth).
+parallel set and add only what megatron-core has no field for: the optimizer name's
+wider choices, ``muon_scalar_optimizer`` (Megatron-LM HEAD's field) and each update
+rule's own settings (``rule_settings``: a dataclass per rule, Muon's Newton-Schulz
+run among them, optim/muon.py ``MuonSettings``). Every field with a fixed set of
+values names it in ``metadata["choices"]``: the command line takes its choices and
+defaults from these dataclasses (one source of truth).
 """
 
 from __future__ import annotations
@@ -13,8 +16,8 @@ from dataclasses import dataclass, field
 
 from megatron.core.optimizer import OptimizerConfig
 
-from .optim.muon import NS_ALGORITHMS, NS_COEFFICIENTS, NS_DTYPES, SCALE_MODES
-from .optim.muon_tp import TP_MODES
+from .optim import registry
+from .optim.muon import MuonSettings
 from .placement.blocks import MODES as QKV_OWNER_MODES
 from .placement.classes import LAYOUTS, MATRIX, RuleSet
 from .placement.planner import POLICIES
@@ -51,11 +54,12 @@ class MatrixFSDPConfig:
     anyway) and the owner layout, without FP8."""
 
     rules: RuleSet | None = None
-    """Placement's view of the update rules the optimizer will run (``optim.registry.rule_set``): each
-    role's and rule's storage, planner cost and state bytes, and whether Q, K and V are updated apart,
-    with the user's rules (``param_rules``) in it. None: Muon's with its defaults, the placement a
-    MatrixFSDP made without an optimizer config gets. pretrain_gpt.py builds it from the optimizer
-    config; another value changes only the plan's balance, never the numbers."""
+    """The update rules resolved for the optimizer config (``optim.registry.rule_set``): each role's and
+    rule's storage, planner cost and state bytes, whether Q, K and V are updated apart and the rule that
+    steps it, with the user's rules (``param_rules``) in it. None: Muon's with its defaults, the placement
+    a MatrixFSDP made without an optimizer config gets. pretrain_gpt.py builds it from the optimizer
+    config; another value changes only the plan's balance, never the numbers (the optimizer steps by the
+    rule set of its own config)."""
 
     grad_reduce_in_fp32: bool = True
     """Reduce gradients in fp32 (else in the parameter dtype); the owner accumulates in fp32."""
@@ -93,8 +97,6 @@ class MatrixFSDPConfig:
     (--first-last-layers-bf16 with --num-layers-at-start-in-bf16 / --num-layers-at-end-in-bf16)."""
 
     def __post_init__(self):
-        from .optim import registry
-
         if self.fp8 is not None and self.fp8.fp8_recipe == "delayed" and any(self.fp8_bf16_layers):
             raise ValueError("--fp8-recipe delayed does not support --first-last-layers-bf16 (as Megatron-LM)")
         _check_choice(self.planner, POLICIES, "--mfsdp-planner", "planner policy")
@@ -112,7 +114,7 @@ class MatrixFSDPConfig:
                     f"with RULE one of {', '.join(registry.rule_names())}"
                 )
         if self.rules is None:
-            self.rules = registry.rule_set(self.param_rules, None, self.layout)
+            self.rules = registry.rule_set(self.param_rules, MatrixFSDPOptimizerConfig(optimizer="muon"), self.layout)
         if self.split_qkv_owners != "whole":
             flag = f"--mfsdp-split-qkv-owners {self.split_qkv_owners}"
             if not self.rules.splits_qkv(MATRIX):
@@ -141,35 +143,21 @@ class MatrixFSDPOptimizerConfig(OptimizerConfig):
     rule_settings: dict = field(default_factory=dict)
     """Each rule's own settings (its dataclass, filled from its flags), by rule name; defaults for the rest."""
 
-    muon_scale_mode: str = field(default="spectral", metadata={"choices": SCALE_MODES})
-    """Update scale: spectral sqrt(max(m,n)), shape_scaling sqrt(max(1,m/n)), unit_rms_norm sqrt(m/n)."""
-
-    muon_tp_mode: str = field(default="blockwise", metadata={"choices": TP_MODES})
-    """Muon on TP shards: blockwise (per shard, no communication), distributed (Gram all-reduce
-    per iteration, exact) or duplicated (all-gather over TP, exact)."""
-
-    muon_coefficient_type: str = field(default="quintic", metadata={"choices": tuple(NS_COEFFICIENTS)})
-    """Newton-Schulz coefficients, megatron-core's names: simple (Jordan's constants), quintic,
-    polar_express, aol (ours: polar_express_nanogpt)."""
-
-    muon_ns_dtype: str = field(default="bf16", metadata={"choices": tuple(NS_DTYPES)})
-    """dtype of the Newton-Schulz iterations (megatron-core's fp32_matmul_prec 'medium' is bf16)."""
-
-    muon_ns_algorithm: str = field(default="auto", metadata={"choices": NS_ALGORITHMS})
-    """Newton-Schulz algorithm (ours): standard iterates X as torch.optim.Muon does; gram iterates
-    the m x m Gram matrix (same polynomial, fewer flops on a matrix with one side > 1.5x the
-    other); auto picks gram per matrix in fp32 where it needs fewer flops (standard in bf16)."""
-
     def __post_init__(self):
         super().__post_init__()
-        from .optim import registry
-        from .optim.muon import ns_coefficients_for
-
         _check_choice(self.optimizer, registry.optimizer_choices(), "--optimizer", "optimizer")
         _check_choice(self.muon_scalar_optimizer, ("adam", "lion"), "--muon-scalar-optimizer", "scalar optimizer")
         self.rule_settings = {**registry.settings_defaults(), **self.rule_settings}
-        _check_choice(self.muon_ns_dtype, tuple(NS_DTYPES), "--muon-ns-dtype", "Newton-Schulz dtype")
-        _check_choice(self.muon_ns_algorithm, NS_ALGORITHMS, "--muon-ns-algorithm", "Newton-Schulz algorithm")
-        _check_choice(self.muon_scale_mode, SCALE_MODES, "--muon-scale-mode", "Muon scale mode")
-        _check_choice(self.muon_tp_mode, TP_MODES, "--muon-tp-mode", "Muon TP mode")
-        ns_coefficients_for(self.muon_coefficient_type, self.muon_num_ns_steps)
+        registry.validate(self)
+
+
+def muon_rule_set(ns, split_qkv: bool = True, rules=(), layout: str = "owner") -> RuleSet:
+    """:func:`registry.rule_set` for Muon with the Newton-Schulz run ``ns`` (a newton_schulz.NewtonSchulzCost):
+    what the planner benchmarks and the scaling model plan with."""
+    config = MatrixFSDPOptimizerConfig(
+        optimizer="muon",
+        muon_num_ns_steps=ns.steps,
+        muon_split_qkv=split_qkv,
+        rule_settings={"muon": MuonSettings(muon_ns_dtype=ns.dtype, muon_ns_algorithm=ns.algorithm)},
+    )
+    return registry.rule_set(rules, config, layout, ns.on_cpu)

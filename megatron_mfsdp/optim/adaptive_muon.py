@@ -16,8 +16,11 @@ pins), with ``moment2_method``, ``beta2`` and ``eps`` from the OptimizerConfig f
              U = O * rsqrt(max(v, eps));  U <- U * |O|_F / max(|U|_F, eps)
     param <- param - lr * scale(rows, cols) * U            --muon-scale-mode x --muon-extra-scale-factor
 
-The Newton-Schulz kernels, coefficients, dtype and scale modes are muon.py's. The second moment and
-the final scale see the whole matrix (the whole linear_qkv with --muon-split-qkv), as in Megatron.
+The Newton-Schulz kernels, coefficients, dtype and scale modes are muon.py's; like Muon it is a
+:class:`~.matrix.MatrixMath` (the momentum ``prepare``, adamuon's normalization ``finish``: both
+elementwise; normuon's inside the direction, its v of the whole matrix), so matrix.py gives it the
+loop, the stacks, the TP modes and the even variant. The second moment and the final scale see the
+whole matrix (the whole linear_qkv with --muon-split-qkv), as in Megatron.
 
 Where Megatron-LM HEAD differs (read, not guessed): its ``TensorParallelAdaptiveMuon`` orthogonalizes
 with ``TensorParallelMuon``'s function, which already multiplies each block by Muon's scale, and then
@@ -42,27 +45,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..groups import group_rank
-from ..placement.classes import SLICE, WHOLE
-from .matrix import gather_over_tp, settings_in
-from .muon import (
-    apply_update_,
-    merge_qkv,
-    momentum_direction_,
-    orthogonalize,
-    rule_cost,
-    scalar_rule,
-    split_qkv,
-    splits_qkv,
-    step_kwargs,
-    update_scale,
-)
-from .muon import (
-    describe as describe_muon,
-)
-from .muon_even import gather_slices, group_device
-from .muon_tp import TP_MODES, distributed_newton_schulz
-from .rule import CostContext, OwnedPiece, StepContext, UpdateRule
+from . import muon
+from .matrix import MatrixMath, TpShard, gather_over_tp, matrix_rule
+from .rule import CostContext, OwnedPiece
 
 NAME = "adaptive_muon"
 METHODS = ("adamuon", "normuon")
@@ -115,7 +100,7 @@ def moment2_shape(shape: Sequence[int], method: str) -> tuple[int, ...]:
 
 def normuon_axis(shape: Sequence[int]) -> int:
     """The axis normuon averages O^2 over: the columns (1) when rows >= cols, else the rows (0)."""
-    return 1 if shape[0] >= shape[1] else 0
+    return 1 if shape[-2] >= shape[-1] else 0
 
 
 def adamuon_normalize_(orth: Tensor, moment2: Tensor, beta2: float, eps: float) -> Tensor:
@@ -125,14 +110,17 @@ def adamuon_normalize_(orth: Tensor, moment2: Tensor, beta2: float, eps: float) 
 
 
 def match_frobenius(update: Tensor, reference: Tensor, eps: float) -> Tensor:
-    """``update`` rescaled to the Frobenius norm of ``reference`` (its norm floored at eps)."""
-    return update * (torch.linalg.vector_norm(reference) / torch.linalg.vector_norm(update).clamp_min(eps))
+    """``update`` rescaled to the Frobenius norm of ``reference`` (its norm floored at eps); per matrix of a stack."""
+    if update.dim() == 2:
+        return update * (torch.linalg.vector_norm(reference) / torch.linalg.vector_norm(update).clamp_min(eps))
+    norm = lambda x: torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True)  # noqa: E731
+    return update * (norm(reference) / norm(update).clamp_min(eps))
 
 
 def normuon_normalize_(orth: Tensor, moment2: Tensor, beta2: float, eps: float) -> Tensor:
     """v <- lerp(v, mean(O^2 along :func:`normuon_axis`), 1 - beta2) in place; O * rsqrt(max(v, eps)),
-    rescaled to O's Frobenius norm."""
-    moment2.lerp_(orth.square().mean(dim=normuon_axis(orth.shape), keepdim=True), 1 - beta2)
+    rescaled to O's Frobenius norm (a matrix, or a stack with its stacked v)."""
+    moment2.lerp_(orth.square().mean(dim=normuon_axis(orth.shape) - 2, keepdim=True), 1 - beta2)
     return match_frobenius(orth * moment2.clamp_min(eps).rsqrt_(), orth, eps)
 
 
@@ -169,228 +157,139 @@ def normuon_normalize_tp_(
 
 
 @dataclass(frozen=True)
-class AdaptiveMuonStep:
-    """What a step takes besides the tensors: Muon's settings as muon.py reads them
-    (:func:`muon.step_kwargs`) and the second moment's."""
+class AdaptiveMuonHyper:
+    """What a step reads: Muon's (muon.hyper_in: the same OptimizerConfig fields and settings) and the
+    second moment's settings."""
 
-    lr: float
-    weight_decay: float
-    momentum: float
-    nesterov: bool
-    ns_steps: int
-    coefficient_type: str
-    ns_dtype: torch.dtype
-    ns_algorithm: str
-    scale_mode: str
-    extra_scale_factor: float
+    muon: muon.MuonHyper
     settings: AdaptiveMuonSettings
 
     @classmethod
-    def of(cls, ctx: StepContext) -> AdaptiveMuonStep:
-        return cls(**step_kwargs(ctx), settings=ctx.settings or settings_in(ctx.config, NAME, AdaptiveMuonSettings))
+    def of(cls, settings: AdaptiveMuonSettings, config) -> AdaptiveMuonHyper:
+        return cls(muon.hyper_in(config), settings or AdaptiveMuonSettings())
 
-    def ns(self, block: Tensor) -> Tensor:
-        return orthogonalize(block, self.ns_steps, self.coefficient_type, self.ns_dtype, self.ns_algorithm)
-
-    def scale(self, shape: Sequence[int]) -> float:
-        return update_scale(tuple(shape), self.scale_mode, self.extra_scale_factor)
+    @property
+    def adamuon(self) -> bool:
+        return self.settings.adaptive_muon_moment2_method == "adamuon"
 
     def prescale(self, full: Callable[[tuple], tuple] = tuple) -> Callable[[tuple], float] | None:
         """Megatron-LM HEAD's scale of a block before the second moment (of the block's ``full`` shape), or None."""
-        return (lambda shape: self.scale(full(shape))) if self.settings.adaptive_muon_prescale else None
+        return (lambda shape: self.muon.scale(full(shape))) if self.settings.adaptive_muon_prescale else None
 
 
-def orthogonalized(
-    direction: Tensor, split_rows, ns_block: Callable[[Tensor], Tensor], prescale: Callable | None
-) -> Tensor:
-    """``ns_block`` of the whole direction, or of its Q, K and V blocks apart (``split_rows``) merged back;
-    with ``prescale`` each block times its scale (:meth:`AdaptiveMuonStep.prescale`)."""
-    blocks = split_qkv(direction, split_rows) if split_rows else [direction]
-    out = []
-    for block in blocks:
-        orth = ns_block(block)
-        out.append(orth.mul_(prescale(tuple(block.shape))) if prescale is not None else orth)
-    return merge_qkv(out, split_rows, tuple(direction.shape)) if split_rows else out[0]
+def prepare(grad: Tensor, state: dict[str, Tensor], hyper: AdaptiveMuonHyper) -> Tensor:
+    """Muon's momentum, elementwise."""
+    return muon.prepare(grad, state, hyper.muon)
 
 
-@torch.no_grad()
-def adaptive_muon_step_(
-    param: Tensor, grad: Tensor, momentum_buffer: Tensor, moment2: Tensor, split_rows, cfg: AdaptiveMuonStep
-) -> None:
-    """One step of a whole (or TP-local, blockwise) matrix, in place on the fp32 master and the state."""
-    direction = momentum_direction_(grad, momentum_buffer, cfg.momentum, cfg.nesterov)
-    update = normalize_(orthogonalized(direction, split_rows, cfg.ns, cfg.prescale()), moment2, cfg.settings)
-    apply_update_(param, update, -cfg.lr * cfg.scale(param.shape), cfg.lr, cfg.weight_decay)
+def direction(x: Tensor, state: dict[str, Tensor], hyper: AdaptiveMuonHyper, step: int, split_rows) -> Tensor:
+    """The orthogonalized direction (Q, K and V apart with the split, each prescaled if asked); normuon
+    normalizes it here with the whole matrix's v, adamuon in :func:`finish`."""
+    orth = muon.orthogonalized(x, split_rows, hyper.muon.ns, hyper.prescale())
+    return orth if hyper.adamuon else normalize_(orth, state[NORMUON_STATE], hyper.settings)
 
 
-def _moment2(piece: OwnedPiece) -> Tensor:
-    return piece.state[ADAMUON_STATE] if ADAMUON_STATE in piece.state else piece.state[NORMUON_STATE]
+def batched(stack: Tensor, states, hyper: AdaptiveMuonHyper, step: int, split_rows) -> Tensor:
+    """:func:`direction` of a (B, rows, cols) stack: one batched Newton-Schulz; normuon's v of each matrix
+    stacked for the normalization and written back."""
+    orth = muon.orthogonalized(stack, split_rows, hyper.muon.ns, hyper.prescale())
+    if hyper.adamuon:
+        return orth
+    moment2 = torch.stack([s[NORMUON_STATE] for s in states])
+    out = normalize_(orth, moment2, hyper.settings)
+    for s, v in zip(states, moment2.unbind(0)):
+        s[NORMUON_STATE].copy_(v)
+    return out
 
 
-def _duplicated_update(piece: OwnedPiece, direction: Tensor, cfg: AdaptiveMuonStep, group) -> Tensor:
-    """The whole direction gathered over TP and orthogonalized on every TP rank; normuon normalizes the
-    whole matrix with its whole v, adamuon this rank's shard (elementwise): TP = 1's numbers."""
-    dim, rank = piece.partition_dim, piece.tp_rank
-    orth = orthogonalized(gather_over_tp(direction, dim, group), piece.split_rows, cfg.ns, cfg.prescale())
-    if ADAMUON_STATE in piece.state:
-        return normalize_(orth.chunk(piece.tp_size, dim=dim)[rank], _moment2(piece), cfg.settings)
-    return normalize_(orth, _moment2(piece), cfg.settings).chunk(piece.tp_size, dim=dim)[rank]
+def sharded(x: Tensor, state, hyper: AdaptiveMuonHyper, step: int, shard: TpShard, split_rows) -> Tensor:
+    """--muon-tp-mode distributed: Muon's sharded Newton-Schulz, then normuon with its statistics reduced over
+    TP (:func:`normuon_normalize_tp_`; adamuon normalizes the shard in :func:`finish`)."""
+    ns = lambda block: hyper.muon.ns.sharded(block, shard.dim, shard.group)  # noqa: E731
+    orth = muon.orthogonalized(x, split_rows, ns, hyper.prescale(shard.full))
+    if hyper.adamuon:
+        return orth
+    return normuon_normalize_tp_(
+        orth, state[NORMUON_STATE], hyper.settings, shard.dim, shard.group, shard.full(x.shape)
+    )
 
 
-def _distributed_update(piece: OwnedPiece, direction: Tensor, cfg: AdaptiveMuonStep, group) -> Tensor:
-    """Muon's distributed Newton-Schulz (muon_tp.py: a Gram all-reduce per iteration, shards in place),
-    then the second moment of the whole matrix: adamuon on the shard, normuon with its statistics
-    reduced over TP (:func:`normuon_normalize_tp_`)."""
-    dim, tp_size = piece.partition_dim, piece.tp_size
-
-    def full(shape):
-        return tuple(s * tp_size if i == dim else s for i, s in enumerate(shape))
-
-    def ns_block(block):
-        return distributed_newton_schulz(block, dim, group, cfg.ns_steps, cfg.coefficient_type, cfg.ns_dtype)
-
-    orth = orthogonalized(direction, piece.split_rows, ns_block, cfg.prescale(full))
-    if ADAMUON_STATE in piece.state:
-        return normalize_(orth, _moment2(piece), cfg.settings)
-    return normuon_normalize_tp_(orth, _moment2(piece), cfg.settings, dim, group, piece.full_shape)
+def finish(y: Tensor, state: dict[str, Tensor], hyper: AdaptiveMuonHyper) -> Tensor:
+    """adamuon's elementwise second moment, on whatever part of the matrix this rank steps."""
+    return normalize_(y, state[ADAMUON_STATE], hyper.settings) if hyper.adamuon else y
 
 
-def _exact_tp(piece: OwnedPiece, config) -> bool:
-    return piece.tp_size > 1 and piece.partition_dim is not None and config.muon_tp_mode != "blockwise"
+def scale(shape: Sequence[int], hyper: AdaptiveMuonHyper, split_rows) -> float:
+    """Muon's scale of the whole matrix, after the second moment."""
+    return hyper.muon.scale(shape)
 
 
-@torch.no_grad()
-def step(pieces: Sequence[OwnedPiece], ctx: StepContext) -> None:
-    """Each owned matrix on its own (no collective but the TP modes'): blockwise (and TP = 1) steps the
-    matrix this rank holds; duplicated and distributed give the whole TP-split matrix's numbers."""
-    cfg = AdaptiveMuonStep.of(ctx)
-    for p in pieces:
-        if not _exact_tp(p, ctx.config):
-            adaptive_muon_step_(p.master, p.grad, p.state["momentum_buffer"], _moment2(p), p.split_rows, cfg)
-            continue
-        direction = momentum_direction_(p.grad, p.state["momentum_buffer"], cfg.momentum, cfg.nesterov)
-        update_of = _duplicated_update if ctx.config.muon_tp_mode == "duplicated" else _distributed_update
-        update = update_of(p, direction, cfg, ctx.tp_group)
-        apply_update_(p.master, update, -cfg.lr * cfg.scale(p.full_shape), cfg.lr, cfg.weight_decay)
+def elementwise_state(settings: AdaptiveMuonSettings) -> tuple[str, ...]:
+    """Muon's momentum, and adamuon's v: shaped like the part of the matrix a rank steps."""
+    return (muon.STATE,) + ((ADAMUON_STATE,) if settings.adaptive_muon_moment2_method == "adamuon" else ())
 
 
-@torch.no_grad()
-def even_step(pieces: Sequence[OwnedPiece], ctx: StepContext) -> None:
-    """--mfsdp-layout even (muon_even.py's reconstruction): momentum on the local slice, the directions
-    gathered over the DP shard group (every rank joins each gather), then on each holder the owner's math
-    on the whole matrix, keeping its slice: adamuon's v is the slice's, normuon's the whole matrix's
-    (replicated on every holder)."""
-    cfg = AdaptiveMuonStep.of(ctx)
-    local, rank = {p.global_name: p for p in pieces}, group_rank(ctx.dp_group)
-    device = pieces[0].master.device if pieces else group_device(ctx.dp_group)
-    for m in ctx.matrices:
-        piece = local.get(m.global_name)
-        if piece is None:
-            gather_slices(torch.empty(0, device=device), m.bounds, ctx.dp_group)
-            continue
-        direction = momentum_direction_(piece.grad, piece.state["momentum_buffer"], cfg.momentum, cfg.nesterov)
-        full = gather_slices(direction, m.bounds, ctx.dp_group).view(m.shape)
-        orth, mine = orthogonalized(full, m.split_rows, cfg.ns, cfg.prescale()), slice(*m.bounds[rank : rank + 2])
-        if ADAMUON_STATE in piece.state:
-            update = normalize_(orth.reshape(-1)[mine], _moment2(piece), cfg.settings)
-        else:
-            update = normalize_(orth, _moment2(piece), cfg.settings).reshape(-1)[mine]
-        apply_update_(piece.master, update, -cfg.lr * cfg.scale(m.shape), cfg.lr, cfg.weight_decay)
-
-
-def init_state(piece: OwnedPiece, settings: AdaptiveMuonSettings | None) -> dict[str, Tensor]:
-    """Muon's momentum, shaped like the piece; adamuon's v shaped like it too; normuon's of the matrix
-    (the whole TP-split matrix under an exact TP mode, the whole matrix for an even slice)."""
-    s = settings or AdaptiveMuonSettings()
-    state = {"momentum_buffer": torch.zeros_like(piece.master)}
-    if s.adaptive_muon_moment2_method == "adamuon":
-        state[ADAMUON_STATE] = torch.zeros_like(piece.master)
-    else:
-        shape = piece.full_shape if piece.state_over_tp else tuple(piece.param_shape or piece.master.shape)
-        state[NORMUON_STATE] = torch.zeros(moment2_shape(shape, "normuon"), device=piece.master.device)
-    return state
+def init(shape, settings: AdaptiveMuonSettings) -> dict[str, Tensor]:
+    """normuon's v, of the whole matrix (the whole TP-split matrix under an exact TP mode)."""
+    if settings.adaptive_muon_moment2_method == "adamuon":
+        return {}
+    return {NORMUON_STATE: torch.zeros(moment2_shape(shape, "normuon"))}
 
 
 def check(piece: OwnedPiece, cfg) -> None:
-    """Refuse at set-up what the step cannot do exactly, naming the flag."""
+    """Refuse at set-up what the step cannot do exactly, naming the flag (after matrix.py's TP checks)."""
     if piece.split_rows is not None and len(piece.split_rows) == 1:
         raise ValueError(
             f"--optimizer {NAME}: {piece.name} is a Q, K or V block placed apart (--mfsdp-split-qkv-owners), but the "
             "second moment and the scale are of the whole linear_qkv; use --mfsdp-split-qkv-owners whole"
         )
-    if piece.tp_size > 1 and cfg.muon_tp_mode != "blockwise":
-        if piece.partition_dim not in (0, 1):
-            raise ValueError(
-                f"--muon-tp-mode {cfg.muon_tp_mode}: {piece.name} is tensor-parallel but its split dimension "
-                "(partition_dim) is unknown; use blockwise"
-            )
-        if piece.split_rows is not None and piece.partition_dim != 0:
-            raise ValueError(
-                f"--muon-tp-mode {cfg.muon_tp_mode}: {piece.name} splits Q, K and V but is not column-parallel "
-                "(partition_dim 0); use blockwise or --muon-no-split-qkv"
-            )
-    if cfg.muon_tp_mode not in TP_MODES:
-        raise ValueError(f"unknown --muon-tp-mode {cfg.muon_tp_mode!r}; choose one of {', '.join(TP_MODES)}")
-
-
-def _settings(config) -> AdaptiveMuonSettings:
-    return settings_in(config, NAME, AdaptiveMuonSettings)
-
-
-def state_over_tp(config) -> bool:
-    """normuon's v is of the whole TP-split matrix under duplicated and distributed (alike on every TP
-    rank); adamuon's is elementwise, the shard's in every mode."""
-    return _settings(config).adaptive_muon_moment2_method == "normuon" and config.muon_tp_mode != "blockwise"
 
 
 def cost(shape: Sequence[int], split_rows, context: CostContext) -> int:
     """Muon's Newton-Schulz multiply-adds plus the second moment's elementwise work."""
-    return rule_cost(shape, split_rows, context) + MOMENT2_OPS_PER_ELEMENT * int(shape[0]) * int(shape[1])
+    return muon.rule_cost(shape, split_rows, context) + MOMENT2_OPS_PER_ELEMENT * int(shape[0]) * int(shape[1])
 
 
 def state_bytes(shape: Sequence[int], context: CostContext) -> int:
     """fp32 momentum plus the second moment (param-shaped, or one value per row or column)."""
-    method = _settings(context.config).adaptive_muon_moment2_method
-    v_shape = moment2_shape(shape, method)
+    v_shape = moment2_shape(shape, RULE.settings_in(context.config).adaptive_muon_moment2_method)
     return 4 * (int(shape[0]) * int(shape[1]) + v_shape[0] * v_shape[1])
-
-
-EVEN = UpdateRule(
-    name=f"{NAME}_even",
-    storage=SLICE,
-    state=init_state,
-    step=even_step,
-    reshard=("momentum_buffer", ADAMUON_STATE),
-    splits_qkv=splits_qkv,
-    even_layout_of=NAME,
-    collective=True,
-    family=NAME,
-)
 
 
 def describe(config) -> str:
     """The start-up line's account: Muon's Newton-Schulz run and the second moment's settings."""
-    s = _settings(config)
+    s = RULE.settings_in(config)
     return (
-        f"{describe_muon(config)}, second moment {s.adaptive_muon_moment2_method} (beta2 {s.adaptive_muon_beta2}, "
+        f"{muon.describe(config)}, second moment {s.adaptive_muon_moment2_method} (beta2 {s.adaptive_muon_beta2}, "
         f"eps {s.adaptive_muon_eps})"
     )
 
 
-RULE = UpdateRule(
-    name=NAME,
-    storage=WHOLE,
-    state=init_state,
-    step=step,
+MATH = MatrixMath(
+    direction=direction,
+    init=init,
+    hyper=AdaptiveMuonHyper.of,
+    elementwise=elementwise_state,
+    prepare=prepare,
+    finish=finish,
+    scale=scale,
+    batched=batched,
+    sharded=sharded,
+    qkv=True,
+)
+
+RULE = matrix_rule(
+    NAME,
+    MATH,
+    settings=AdaptiveMuonSettings,
     cost=cost,
     state_bytes=state_bytes,
-    settings=AdaptiveMuonSettings,
     optimizer=NAME,
-    elementwise=scalar_rule,
-    reshard=("momentum_buffer", ADAMUON_STATE),
-    splits_qkv=splits_qkv,
+    elementwise=muon.scalar_rule,
+    tp_mode=lambda settings, config: muon.hyper_in(config).tp_mode,
+    tp_flag="--muon-tp-mode",
+    splits_qkv=muon.splits_qkv,
     check=check,
-    state_over_tp=state_over_tp,
-    even=EVEN,
     describe=describe,
+    reshard=(muon.STATE, ADAMUON_STATE),
 )

@@ -1,372 +1,42 @@
-"""Muon: the update rule, and its math as pure functions on local tensors.
+"""Muon: momentum, then each matrix orthogonalized by Newton-Schulz and scaled by its shape.
 
-The owner holds each matrix whole, so Muon needs only local math: momentum,
-Newton-Schulz orthogonalization, shape-dependent scaling and the decoupled-weight-
-decay update. Keeping it free of ``torch.distributed`` lets us test it on CPU against
-``torch.optim.Muon`` (bitwise where the op order is the same) and reuse it from any
-sharding scheme (``muon_tp.py`` builds the tensor-parallel modes on it).
+Written as a :class:`~.matrix.MatrixMath`: the momentum is elementwise (``prepare``: kept for
+whatever part of a matrix a rank holds, split like the parameter in checkpoints); the direction is
+the Newton-Schulz of the momentum direction (newton_schulz.py), of Q, K and V apart with
+--muon-split-qkv; the shape scale is folded into the learning rate as torch.optim.Muon folds it.
+matrix.py gives it the per-matrix loop, the stacks, the TP modes (``distributed``: the sharded
+Newton-Schulz, :func:`sharded`) and the even variant. :func:`muon_step_` is the same math on one
+matrix as a function: the reference the tests and baselines step with, bitwise torch.optim.Muon's.
+
+Its settings are megatron-core's OptimizerConfig fields (``muon_momentum``, ``muon_use_nesterov``,
+``muon_num_ns_steps``, ``muon_scale_mode``, ``muon_extra_scale_factor``, ``muon_tp_mode``: read in
+:meth:`MuonHyper.of`; ``muon_split_qkv``: :func:`splits_qkv`) and ours, :class:`MuonSettings`.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
-from ..placement.classes import WHOLE
-from .rule import CostContext, OwnedPiece, StepContext, UpdateRule
+from .matrix import TP_MODES, MatrixMath, TpShard, matrix_rule, step_matrix_
+from .newton_schulz import (
+    NS_ALGORITHMS,
+    NS_COEFFICIENTS,
+    NS_DTYPES,
+    SYMMETRIC_MIN_ROWS,
+    NewtonSchulz,
+    auto_may_use_gram,
+    newton_schulz_cost,
+)
+from .rule import CostContext
 
-Coefficients = tuple[float, float, float]
-
-
-@dataclass(frozen=True)
-class NSSchedule:
-    """A named Newton-Schulz coefficient schedule (a, b, c) for X <- a X + (b A + c A A) X, A = X X^T,
-    and how it stretches to a step count: 'repeat' cycles the whole list (the step count must be a
-    multiple of its length), 'extend' repeats the last tuple (at least ``len`` steps)."""
-
-    steps: tuple[Coefficients, ...]
-    stretch: str = "repeat"
-
-
-# The names and numbers of megatron-core's --muon-coefficient-type (emerging_optimizers'
-# orthogonalized_optimizers/muon_utils.py _COEFFICIENT_SETS, read for the published numbers).
-NS_COEFFICIENTS: dict[str, NSSchedule] = {
-    # Keller Jordan's constant quintic, the constants of torch.optim.Muon (DEFAULT_A/B/C).
-    "simple": NSSchedule(((3.4445, -4.7750, 2.0315),)),
-    # Per-step quintic optimized by Franz Cesista (leloykun.github.io/ponder/muon-opt-coeffs),
-    # as in modded-nanogpt's train_gpt_medium.py.
-    "quintic": NSSchedule(
-        (
-            (4.0848, -6.8946, 2.9270),
-            (3.9505, -6.3029, 2.6377),
-            (3.7418, -5.5913, 2.3037),
-            (2.8769, -3.1427, 1.2046),
-            (2.8366, -3.0525, 1.2012),
-        )
-    ),
-    # Polar Express, Amsel, Persson, Musco, Gower, arXiv:2505.16932 (8 steps, last one repeated).
-    "polar_express": NSSchedule(
-        (
-            (8.2051, -22.9019, 16.4607),
-            (4.0664, -2.8612, 0.5184),
-            (3.9096, -2.8234, 0.5250),
-            (3.2856, -2.4153, 0.4853),
-            (2.2779, -1.6198, 0.3985),
-            (1.8726, -1.2307, 0.3585),
-            (1.8564, -1.2132, 0.3568),
-            (1.8750, -1.2500, 0.3750),
-        ),
-        "extend",
-    ),
-    # Turbo-Muon's schedule (github.com/thib-s/flash-newton-schulz), without its preconditioning.
-    "aol": NSSchedule(
-        ((4.0098, -7.0585, 2.4635), (3.4585, -5.5479, 2.5959), (2.7573, -3.2939, 1.4254), (2.7215, -3.0494, 1.3169))
-    ),
-    # Ours before megatron-core's names (--muon-coefficients quintic): the 5-step Polar Express
-    # numbers published in modded-nanogpt's train_gpt.py (safety factor 2e-2), last one repeated.
-    "polar_express_nanogpt": NSSchedule(
-        (
-            (8.156554524902461, -22.48329292557795, 15.878769915207462),
-            (4.042929935166739, -2.808917465908714, 0.5000178451051316),
-            (3.8916678022926607, -2.772484153217685, 0.5060648178503393),
-            (3.285753657755655, -2.3681294933425376, 0.46449024233003106),
-            (2.3465413258596377, -1.7097828382687081, 0.42323551169305323),
-        ),
-        "extend",
-    ),
-}
-
+NAME = "muon"
 SCALE_MODES = ("spectral", "shape_scaling", "unit_rms_norm")
-NS_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
-NS_ALGORITHMS = ("auto", "standard", "gram")
-"""--muon-ns-algorithm: standard iterates X (torch.optim.Muon's op order), gram iterates the small
-Gram matrix (:func:`newton_schulz_gram`), auto takes gram in fp32 where it needs fewer flops.
-Not in bf16 by default: there it measured up to 4.7x the standard iteration's error on random
-matrices (2.5x with the "simple" schedule; equal on ill-conditioned ones)."""
-
-GRAM_RESTART_EVERY = {torch.float64: 3, torch.float32: 3, torch.bfloat16: 2}
-"""Gram-space iterations between restarts from X, by NS dtype. Without a restart, rounding grows
-on ill-conditioned inputs (rank 4 + noise: 23-32x the standard iteration's error in fp32); every
-3 in fp32 measured at the standard iteration's level. bf16 restarts every 2: at 3 a rounding-
-negative eigenvalue of G (growing by p(lambda)^2 > 11 per update) diverged on some inputs."""
-
-SYMMETRIC_BLOCKS = 4
-"""Row blocks of a symmetric product (:func:`symmetric_product`): k blocks compute (k + 1) / 2k of
-the multiply-adds (0.625 at 4; more blocks save little more and make smaller BLAS calls)."""
-
-SYMMETRIC_MIN_ROWS = 256
-"""Smallest short side that takes symmetric products: below it the block calls cost more than the
-flops they save (and the tiny test models keep the plain products)."""
-
-
-def ns_coefficients_for(name: str, steps: int) -> list[Coefficients]:
-    """``steps`` (a, b, c) tuples of the named schedule, stretched as megatron-core does."""
-    if name not in NS_COEFFICIENTS:
-        valid = ", ".join(repr(k) for k in NS_COEFFICIENTS)
-        raise ValueError(
-            f"unknown Newton-Schulz coefficients {name!r} (--muon-coefficient-type); choose one of {valid}"
-        )
-    if steps < 1:
-        raise ValueError(f"--muon-num-ns-steps must be >= 1, got {steps}")
-    schedule = NS_COEFFICIENTS[name]
-    n = len(schedule.steps)
-    if schedule.stretch == "extend":
-        if steps < n and name == "polar_express":
-            raise ValueError(f"--muon-num-ns-steps {steps}: --muon-coefficient-type polar_express needs at least {n}")
-        return [schedule.steps[min(i, n - 1)] for i in range(steps)]
-    if steps % n:
-        raise ValueError(f"--muon-num-ns-steps {steps} must be a multiple of {n} for --muon-coefficient-type {name}")
-    return [schedule.steps[i % n] for i in range(steps)]
-
-
-def newton_schulz(
-    grad: Tensor,
-    steps: int = 5,
-    coefficient_type: str = "simple",
-    ns_dtype: torch.dtype = torch.bfloat16,
-    eps: float = 1e-7,
-    symmetric: bool = False,
-) -> Tensor:
-    """Approximately orthogonalize a 2D matrix (U S V^T -> ~U V^T); fp32 result.
-
-    Op order follows ``torch.optim._muon._zeropower_via_newtonschulz`` so that with
-    ``ns_dtype=bfloat16`` and the "jordan" schedule the result is bitwise equal:
-    cast to ``ns_dtype``, transpose if rows > cols, divide by the Frobenius norm
-    clamped at ``eps`` (computed in ``ns_dtype``), then iterate with ``addmm``.
-    ``symmetric`` computes A and b A + c A A by :func:`symmetric_product` (the same dot
-    products, 0.625 of their multiply-adds; not torch's calls, so bitwise equal only where BLAS
-    sums a block row as it sums the whole product).
-    """
-    if grad.dim() != 2:
-        raise ValueError(f"newton_schulz expects a 2D matrix, got shape {tuple(grad.shape)}")
-    schedule = ns_coefficients_for(coefficient_type, steps)
-    x, transposed = _wide_unit(grad, ns_dtype, eps)
-    mm, addmm = _products(symmetric)
-    for a, b, c in schedule:
-        gram = mm(x, x.T)
-        poly = addmm(gram, gram, gram, beta=b, alpha=c)  # b A + c A A
-        x = torch.addmm(x, poly, x, beta=a)  # a X + poly X
-    return _restored(x, transposed)
-
-
-def symmetric_product(
-    left: Tensor, right: Tensor, bias: Tensor | None = None, beta: float = 1.0, alpha: float = 1.0
-) -> Tensor:
-    """``left @ right`` (or ``beta * bias + alpha * left @ right``) for a product known to be
-    symmetric (X X^T, a polynomial times a polynomial of the same Gram matrix): the upper triangle
-    by :data:`SYMMETRIC_BLOCKS` block rows, mirrored below. Each entry is the same dot product
-    as in the whole product, for (k + 1) / 2k of its multiply-adds. Off the diagonal blocks the
-    result is exactly symmetric; those blocks are as BLAS computes them, as in the whole product
-    (making them symmetric too cost a quarter of the time saved). benchmarks/bench_ns_kernels.py
-    measures the gain on a Newton-Schulz run."""
-    m = left.shape[0]
-    out = torch.empty(m, m, dtype=left.dtype, device=left.device)
-    for s, e in _row_blocks(m):
-        block = out[s:e, s:]  # written in place: BLAS takes the row stride, no copy of the block
-        if bias is None:
-            torch.mm(left[s:e], right[:, s:], out=block)
-        else:
-            torch.addmm(bias[s:e, s:], left[s:e], right[:, s:], beta=beta, alpha=alpha, out=block)
-        out[e:, s:e] = block[:, e - s :].T
-    return out
-
-
-def _row_blocks(m: int) -> list[tuple[int, int]]:
-    """[start, end) of the :data:`SYMMETRIC_BLOCKS` row blocks of an m x m symmetric product."""
-    rows = -(-m // SYMMETRIC_BLOCKS)
-    return [(s, min(m, s + rows)) for s in range(0, m, rows)]
-
-
-def symmetric_multiply_adds(m: int, inner: int) -> int:
-    """Multiply-adds of :func:`symmetric_product` of an (m, inner) by an (inner, m) matrix."""
-    return sum((e - s) * (m - s) * inner for s, e in _row_blocks(m))
-
-
-def _products(symmetric: bool):
-    """(product, bias + product in torch.addmm's argument order) for the products a Newton-Schulz
-    iteration knows to be symmetric: :func:`symmetric_product`'s, or torch's whole ones."""
-    if not symmetric:
-        return torch.matmul, _addmm
-    return symmetric_product, lambda bias, m1, m2, beta, alpha: symmetric_product(m1, m2, bias, beta, alpha)
-
-
-def _wide_unit(grad: Tensor, ns_dtype: torch.dtype, eps: float) -> tuple[Tensor, bool]:
-    """The start every Newton-Schulz variant shares, in torch's op order: cast to ``ns_dtype``,
-    transpose so that rows <= cols, divide by the Frobenius norm (per matrix of a stack) clamped
-    at ``eps``. Frobenius >= spectral norm, so all singular values end up in [0, 1]."""
-    x = grad.float().to(ns_dtype)
-    transposed = grad.size(-2) > grad.size(-1)
-    if transposed:
-        x = x.mT
-    norm = x.norm() if x.dim() == 2 else torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True)
-    return x.div(norm.clamp(min=eps)), transposed
-
-
-def _restored(x: Tensor, transposed: bool) -> Tensor:
-    """Undo :func:`_wide_unit`'s transpose; a contiguous fp32 result."""
-    return (x.mT if transposed else x).float().contiguous()
-
-
-def _gram_segment(x: Tensor, coefficients: Sequence[Coefficients], symmetric: bool = False) -> Tensor:
-    """``len(coefficients)`` Newton-Schulz iterations of a short-wide X (m <= n) in Gram space.
-
-    Every iterate is X_k = Q_k X with Q_k a polynomial in G = X X^T, so Q_k, G_k = X_k X_k^T and
-    P_k = a I + b G_k + c G_k^2 are m x m and commute: Q_{k+1} = P_k Q_k, G_{k+1} = P_k P_k G_k.
-    Only the first product (G) and the last (Q X) touch n. Every other product is symmetric (of
-    commuting symmetric matrices), so ``symmetric`` computes each by :func:`symmetric_product`."""
-    mm, addmm = _products(symmetric)
-    gram = mm(x, x.mT)
-    q = None
-    for i, (a, b, c) in enumerate(coefficients):
-        poly = addmm(gram, gram, gram, beta=b, alpha=c)  # b G + c G G
-        poly.diagonal(dim1=-2, dim2=-1).add_(a)
-        q = poly if q is None else mm(poly, q)
-        if i + 1 < len(coefficients):
-            gram = mm(poly, mm(poly, gram))
-    return q @ x
-
-
-def _addmm(bias: Tensor, m1: Tensor, m2: Tensor, beta: float, alpha: float) -> Tensor:
-    return (torch.addmm if bias.dim() == 2 else torch.baddbmm)(bias, m1, m2, beta=beta, alpha=alpha)
-
-
-def newton_schulz_gram(
-    grad: Tensor,
-    steps: int = 5,
-    coefficient_type: str = "simple",
-    ns_dtype: torch.dtype = torch.bfloat16,
-    eps: float = 1e-7,
-    symmetric: bool = False,
-) -> Tensor:
-    """:func:`newton_schulz`'s polynomial iteration computed in Gram space (see
-    :func:`_gram_segment`), restarted from X every :data:`GRAM_RESTART_EVERY` iterations; a
-    (rows, cols) matrix or a (batch, rows, cols) stack; fp32 result.
-
-    Per segment of L iterations it costs 2 products of m x m x n and 4L - 3 of m x m x m (m the
-    smaller side) against L x (2 m^2 n + m^3) x 2 flops for the standard one: fewer flops once
-    n > 1.5 m at 5 steps. The same math, not the same rounding: in fp32 its deviation from an fp64 run is
-    0.5-1.7x the standard iteration's (every coefficient schedule, random and ill-conditioned
-    inputs); in bf16 up to 4.7x on random inputs, equal on ill-conditioned ones (see
-    :data:`NS_ALGORITHMS`; tests/unit/test_muon_gram.py states the tolerances). ``symmetric``
-    (2D only) takes every product but Q X by :func:`symmetric_product`."""
-    if grad.dim() not in (2, 3):
-        raise ValueError(f"newton_schulz_gram expects a matrix or a stack, got shape {tuple(grad.shape)}")
-    schedule = ns_coefficients_for(coefficient_type, steps)
-    x, transposed = _wide_unit(grad, ns_dtype, eps)
-    every = GRAM_RESTART_EVERY[ns_dtype]
-    if symmetric and x.dim() != 2:
-        raise ValueError(f"symmetric products take one matrix, got a stack of shape {tuple(grad.shape)}")
-    for start in range(0, len(schedule), every):
-        x = _gram_segment(x, schedule[start : start + every], symmetric)
-    return _restored(x, transposed)
-
-
-def ns_multiply_adds(
-    shape: Sequence[int], steps: int, ns_dtype: torch.dtype, gram: bool, symmetric: bool = False
-) -> int:
-    """Multiply-adds of ``steps`` Newton-Schulz iterations of one (rows, cols) matrix, counted as in
-    :func:`newton_schulz_gram`'s docstring: per iteration 2 m^2 n + m^3 for the standard one;
-    ``symmetric`` counts the symmetric products as :func:`symmetric_product` runs them."""
-    m, n = sorted(int(d) for d in shape[-2:])
-    sym_n, sym_m = (symmetric_multiply_adds(m, n), symmetric_multiply_adds(m, m)) if symmetric else (m * m * n, m**3)
-    if not gram:
-        return steps * (sym_n + sym_m + m * m * n)
-    segments = -(-steps // GRAM_RESTART_EVERY[ns_dtype])
-    return segments * (sym_n + m * m * n) + (4 * steps - 3 * segments) * sym_m
-
-
-def gram_pays(shape: Sequence[int], steps: int, ns_dtype: torch.dtype = torch.float32) -> bool:
-    """Whether :func:`newton_schulz_gram` needs fewer flops than :func:`newton_schulz` on a
-    (rows, cols) matrix."""
-    return ns_multiply_adds(shape, steps, ns_dtype, gram=True) < ns_multiply_adds(shape, steps, ns_dtype, gram=False)
-
-
-def auto_may_use_gram(ns_dtype: torch.dtype) -> bool:
-    """Whether --muon-ns-algorithm auto uses gram (where it pays) in this dtype: fp32 only (see
-    :data:`NS_ALGORITHMS` for why not bf16)."""
-    return ns_dtype == torch.float32
-
-
-def _check_algorithm(algorithm: str) -> None:
-    if algorithm not in NS_ALGORITHMS:
-        raise ValueError(f"unknown --muon-ns-algorithm {algorithm!r}; choose one of {', '.join(NS_ALGORITHMS)}")
-
-
-def uses_gram(shape: Sequence[int], steps: int, ns_dtype: torch.dtype, algorithm: str) -> bool:
-    """Whether :func:`orthogonalize` runs the Gram-space iteration on a matrix of ``shape``."""
-    _check_algorithm(algorithm)
-    return algorithm == "gram" or (algorithm == "auto" and auto_may_use_gram(ns_dtype) and gram_pays(shape, steps))
-
-
-def uses_symmetric(shape: Sequence[int], algorithm: str, on_cpu: bool) -> bool:
-    """Whether :func:`orthogonalize` computes the symmetric products by :func:`symmetric_product`:
-    under auto and gram, for one matrix on a CPU (where a product's time follows its flops; a GPU
-    runs stacks, and many small calls would cost launches) whose short side is at least
-    :data:`SYMMETRIC_MIN_ROWS`. ``standard`` keeps torch.optim.Muon's calls."""
-    _check_algorithm(algorithm)
-    return algorithm != "standard" and on_cpu and len(shape) == 2 and min(shape) >= SYMMETRIC_MIN_ROWS
-
-
-def orthogonalize(
-    grad: Tensor, steps: int, coefficient_type: str, ns_dtype: torch.dtype, algorithm: str = "standard"
-) -> Tensor:
-    """Newton-Schulz of a matrix (or a same-shape stack) by ``algorithm`` (:data:`NS_ALGORITHMS`)."""
-    symmetric = uses_symmetric(grad.shape, algorithm, grad.device.type == "cpu")
-    if uses_gram(grad.shape, steps, ns_dtype, algorithm):
-        return newton_schulz_gram(grad, steps, coefficient_type, ns_dtype, symmetric=symmetric)
-    if grad.dim() == 3:
-        return newton_schulz_batched(grad, steps, coefficient_type, ns_dtype)
-    return newton_schulz(grad, steps, coefficient_type, ns_dtype, symmetric=symmetric)
-
-
-def newton_schulz_batched(
-    grads: Tensor,
-    steps: int = 5,
-    coefficient_type: str = "simple",
-    ns_dtype: torch.dtype = torch.bfloat16,
-    eps: float = 1e-7,
-) -> Tensor:
-    """:func:`newton_schulz` of a stack (B, rows, cols) of same-shape matrices, with batched
-    products (``baddbmm``) and per-matrix norms in the same op order. Equal to the per-matrix
-    results within fp32 rounding, not bitwise: BLAS may block a batched product differently
-    (by machine and thread count; tests/unit/test_muon_batched.py states the tolerance)."""
-    if grads.dim() != 3:
-        raise ValueError(f"newton_schulz_batched expects a (batch, rows, cols) stack, got {tuple(grads.shape)}")
-    schedule = ns_coefficients_for(coefficient_type, steps)
-    x, transposed = _wide_unit(grads, ns_dtype, eps)
-    for a, b, c in schedule:
-        gram = x @ x.mT
-        poly = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
-        x = torch.baddbmm(x, poly, x, beta=a)
-    return _restored(x, transposed)
-
-
-BATCH_ELEMENTS = 1 << 26
-"""Most elements stacked into one batched Newton-Schulz (256 MiB in fp32): bounds the copy."""
-
-
-def orthogonalize_all(
-    matrices: Sequence[Tensor], steps: int, coefficient_type: str, ns_dtype: torch.dtype, algorithm: str = "standard"
-) -> list:
-    """:func:`orthogonalize` of every matrix, same-shape ones stacked (in order of first
-    appearance, at most BATCH_ELEMENTS per stack) and run batched."""
-    by_shape: dict[tuple, list[int]] = {}
-    for i, m in enumerate(matrices):
-        by_shape.setdefault(tuple(m.shape), []).append(i)
-    out: list = [None] * len(matrices)
-    for shape, indices in by_shape.items():
-        per_stack = max(1, BATCH_ELEMENTS // max(1, shape[0] * shape[1]))
-        for start in range(0, len(indices), per_stack):
-            chunk = indices[start : start + per_stack]
-            stack = torch.stack([matrices[i] for i in chunk])
-            result = orthogonalize(stack, steps, coefficient_type, ns_dtype, algorithm)
-            for i, x in zip(chunk, result.unbind(0)):
-                out[i] = x
-    return out
+STATE = "momentum_buffer"  # torch.optim.Muon's and megatron-core's name
 
 
 def update_scale(shape: Sequence[int], mode: str, extra_scale_factor: float) -> float:
@@ -403,55 +73,31 @@ def _qkv_groups(rows: int, split_shapes: Sequence[int]) -> int:
 
 
 def split_qkv(matrix: Tensor, split_shapes: Sequence[int]) -> list[Tensor]:
-    """Split a grouped linear_qkv weight into its Q, K and V matrices.
+    """Split a grouped linear_qkv weight (or a stack of them) into its Q, K and V matrices.
 
     megatron-core lays rows out per query group as [q rows, k rows, v rows]; like
-    megatron-core's TensorParallelMuon, each part is reshaped to
-    (groups * rows_i, cols).
+    megatron-core's TensorParallelMuon, each part is reshaped to (groups * rows_i, cols).
     """
-    if matrix.dim() != 2:
-        raise ValueError(f"split_qkv expects a 2D matrix, got shape {tuple(matrix.shape)}")
-    rows, cols = matrix.shape
+    if matrix.dim() not in (2, 3):
+        raise ValueError(f"split_qkv expects a 2D matrix or a stack of them, got shape {tuple(matrix.shape)}")
+    *lead, rows, cols = matrix.shape
     groups = _qkv_groups(rows, split_shapes)
-    parts = torch.split(matrix.reshape(groups, rows // groups, cols), [int(s) for s in split_shapes], dim=1)
-    return [p.reshape(-1, cols) for p in parts]
+    parts = torch.split(matrix.reshape(*lead, groups, rows // groups, cols), [int(s) for s in split_shapes], dim=-2)
+    return [p.reshape(*lead, -1, cols) for p in parts]
 
 
 def merge_qkv(parts: Sequence[Tensor], split_shapes: Sequence[int], shape: Sequence[int]) -> Tensor:
     """Exact inverse of :func:`split_qkv`: interleave Q, K, V back per query group."""
-    rows, cols = int(shape[0]), int(shape[1])
+    *lead, rows, cols = (int(d) for d in shape)
     groups = _qkv_groups(rows, split_shapes)
     if len(parts) != len(split_shapes):
         raise ValueError(f"merge_qkv expects {len(split_shapes)} parts, got {len(parts)}")
     blocks = []
     for part, s in zip(parts, split_shapes):
-        if tuple(part.shape) != (groups * int(s), cols):
-            raise ValueError(f"qkv part shape {tuple(part.shape)} != {(groups * int(s), cols)}")
-        blocks.append(part.reshape(groups, int(s), cols))
-    return torch.cat(blocks, dim=1).reshape(rows, cols)
-
-
-def muon_orthogonalized_update(
-    momentum_dir: Tensor,
-    *,
-    ns_steps: int,
-    coefficient_type: str,
-    ns_dtype: torch.dtype,
-    ns_algorithm: str = "standard",
-    scale_mode: str,
-    extra_scale_factor: float,
-    qkv_split_shapes: Sequence[int] | None = None,
-) -> Tensor:
-    """Orthogonalized and scaled fp32 update (per Q/K/V block if split shapes given)."""
-
-    def one(m: Tensor) -> Tensor:
-        scale = update_scale(tuple(m.shape), scale_mode, extra_scale_factor)
-        return orthogonalize(m, ns_steps, coefficient_type, ns_dtype, ns_algorithm).mul_(scale)
-
-    if qkv_split_shapes is None:
-        return one(momentum_dir)
-    parts = [one(p) for p in split_qkv(momentum_dir, qkv_split_shapes)]
-    return merge_qkv(parts, qkv_split_shapes, tuple(momentum_dir.shape))
+        if tuple(part.shape) != (*lead, groups * int(s), cols):
+            raise ValueError(f"qkv part shape {tuple(part.shape)} != {(*lead, groups * int(s), cols)}")
+        blocks.append(part.reshape(*lead, groups, int(s), cols))
+    return torch.cat(blocks, dim=-2).reshape(*lead, rows, cols)
 
 
 def momentum_direction_(grad: Tensor, momentum_buffer: Tensor, momentum: float, nesterov: bool) -> Tensor:
@@ -461,40 +107,147 @@ def momentum_direction_(grad: Tensor, momentum_buffer: Tensor, momentum: float, 
     return grad.lerp(momentum_buffer, momentum) if nesterov else momentum_buffer
 
 
-def scaled_update(
-    direction: Tensor,
-    lr: float,
-    *,
-    ns_steps: int,
-    coefficient_type: str,
-    ns_dtype: torch.dtype,
-    ns_algorithm: str = "standard",
-    scale_mode: str,
-    extra_scale_factor: float,
-    qkv_split_shapes: Sequence[int] | None = None,
-) -> tuple[Tensor, float]:
-    """(update, alpha) with ``param += alpha * update``. Without a QKV split the scale is
-    folded into alpha, as torch.optim.Muon does, so results are bitwise equal to it."""
-    if qkv_split_shapes is None:
-        update = orthogonalize(direction, ns_steps, coefficient_type, ns_dtype, ns_algorithm)
-        return update, -lr * update_scale(tuple(direction.shape), scale_mode, extra_scale_factor)
-    update = muon_orthogonalized_update(
-        direction,
-        ns_steps=ns_steps,
-        coefficient_type=coefficient_type,
-        ns_dtype=ns_dtype,
-        ns_algorithm=ns_algorithm,
-        scale_mode=scale_mode,
-        extra_scale_factor=extra_scale_factor,
-        qkv_split_shapes=qkv_split_shapes,
+@dataclass
+class MuonSettings:
+    """Muon's Newton-Schulz run, beyond megatron-core 0.16.1's OptimizerConfig muon_* fields"""
+
+    muon_coefficient_type: str = field(
+        default="quintic",
+        metadata={
+            "choices": tuple(NS_COEFFICIENTS),
+            "help": "Newton-Schulz coefficients (megatron-core's names; Megatron-LM HEAD's OptimizerConfig field): "
+            "simple (Jordan's constants), quintic, polar_express, aol; ours: polar_express_nanogpt",
+        },
     )
-    return update, -lr
+    muon_ns_dtype: str = field(
+        default="bf16",
+        metadata={
+            "choices": tuple(NS_DTYPES),
+            "flag_default": None,
+            "help": "ours: the Newton-Schulz dtype outright; default from --muon-fp32-matmul-prec when given, "
+            "else bf16 on CUDA and on CPUs with fast bf16 (AMX/AVX512-BF16), fp32 on other CPUs",
+        },
+    )
+    muon_ns_algorithm: str = field(
+        default="auto",
+        metadata={
+            "choices": NS_ALGORITHMS,
+            "help": "ours: standard iterates X (torch.optim.Muon's op order); gram iterates the small Gram "
+            "matrix, the same polynomial in fewer flops when one side is > 1.5x the other (less stable in bf16); "
+            "auto: gram per matrix in fp32 where it needs fewer flops, standard in bf16 and with "
+            "--muon-tp-mode distributed; on a CPU auto and gram compute the symmetric products "
+            "(X X^T, the Gram polynomials) by block rows, 0.625 of their multiply-adds",
+        },
+    )
+
+    def __post_init__(self):
+        for flag, value, choices in (
+            ("--muon-coefficient-type", self.muon_coefficient_type, tuple(NS_COEFFICIENTS)),
+            ("--muon-ns-dtype", self.muon_ns_dtype, tuple(NS_DTYPES)),
+            ("--muon-ns-algorithm", self.muon_ns_algorithm, NS_ALGORITHMS),
+        ):
+            if value not in choices:
+                raise ValueError(f"unknown {flag} {value!r}; choose one of {', '.join(choices)}")
 
 
-def apply_update_(param: Tensor, update: Tensor, alpha: float, lr: float, weight_decay: float) -> None:
-    """Decoupled weight decay with the unscaled lr, then ``param += alpha * update``."""
-    param.mul_(1 - lr * weight_decay)
-    param.add_(update, alpha=alpha)
+@dataclass(frozen=True)
+class MuonHyper:
+    """What one Muon step reads (megatron-core's OptimizerConfig defaults)."""
+
+    momentum: float = 0.95
+    nesterov: bool = False
+    ns: NewtonSchulz = NewtonSchulz()
+    scale_mode: str = "spectral"
+    extra_scale_factor: float = 1.0
+    tp_mode: str = "blockwise"
+
+    def __post_init__(self):
+        for flag, value, choices in (
+            ("--muon-scale-mode", self.scale_mode, SCALE_MODES),
+            ("--muon-tp-mode", self.tp_mode, TP_MODES),
+        ):
+            if value not in choices:
+                raise ValueError(f"unknown {flag} {value!r}; choose one of {', '.join(choices)}")
+
+    @classmethod
+    def of(cls, settings: MuonSettings | None, config) -> MuonHyper:
+        """The one place Muon reads megatron-core's OptimizerConfig fields (MatrixMath.hyper), with ``settings``
+        (the defaults if None)."""
+        s = settings or MuonSettings()
+        ns = NewtonSchulz(
+            config.muon_num_ns_steps, s.muon_coefficient_type, NS_DTYPES[s.muon_ns_dtype], s.muon_ns_algorithm
+        )
+        return cls(
+            config.muon_momentum,
+            config.muon_use_nesterov,
+            ns,
+            config.muon_scale_mode,
+            config.muon_extra_scale_factor,
+            config.muon_tp_mode,
+        )
+
+    def scale(self, shape: Sequence[int]) -> float:
+        return update_scale(tuple(shape[-2:]), self.scale_mode, self.extra_scale_factor)
+
+
+def hyper_in(config) -> MuonHyper:
+    """Muon's step under an optimizer config (its settings from the config's ``rule_settings``)."""
+    return MuonHyper.of(RULE.settings_in(config), config)
+
+
+def splits_qkv(config) -> bool:
+    """--muon-split-qkv (megatron-core's muon_split_qkv): Q, K and V orthogonalized apart."""
+    return bool(config.muon_split_qkv)
+
+
+def prepare(grad: Tensor, state: dict[str, Tensor], hyper: MuonHyper) -> Tensor:
+    """The momentum, elementwise (MatrixMath.prepare)."""
+    return momentum_direction_(grad, state[STATE], hyper.momentum, hyper.nesterov)
+
+
+def orthogonalized(
+    x: Tensor, split_rows, ns: Callable[[Tensor], Tensor], block_scale: Callable[[tuple], float] | None = None
+) -> Tensor:
+    """``ns`` of a matrix (or a same-shape stack), or of its Q, K and V blocks apart (``split_rows``) merged
+    back; with ``block_scale`` each block times the scale of its shape."""
+    blocks = split_qkv(x, split_rows) if split_rows else [x]
+    out = [ns(b) if block_scale is None else ns(b).mul_(block_scale(tuple(b.shape))) for b in blocks]
+    return merge_qkv(out, split_rows, tuple(x.shape)) if split_rows else out[0]
+
+
+def direction(x: Tensor, state: dict[str, Tensor], hyper: MuonHyper, step: int, split_rows) -> Tensor:
+    """The orthogonalized direction (MatrixMath.direction): unscaled for a whole matrix (:func:`scale` folds
+    its scale into the lr), each Q, K and V block times its own scale."""
+    return orthogonalized(x, split_rows, hyper.ns, hyper.scale if split_rows else None)
+
+
+def batched(stack: Tensor, states, hyper: MuonHyper, step: int, split_rows) -> Tensor:
+    """:func:`direction` of a (B, rows, cols) stack in one batched Newton-Schulz (MatrixMath.batched)."""
+    return direction(stack, {}, hyper, step, split_rows)
+
+
+def sharded(x: Tensor, state, hyper: MuonHyper, step: int, shard: TpShard, split_rows) -> Tensor:
+    """--muon-tp-mode distributed (MatrixMath.sharded): the whole matrix's Newton-Schulz with the TP shards
+    left in place (newton_schulz.distributed_newton_schulz), each Q, K and V block scaled by its whole shape."""
+    block_scale = (lambda shape: hyper.scale(shard.full(shape))) if split_rows else None
+    return orthogonalized(x, split_rows, lambda b: hyper.ns.sharded(b, shard.dim, shard.group), block_scale)
+
+
+def scale(shape: Sequence[int], hyper: MuonHyper, split_rows) -> float:
+    """The whole matrix's shape scale, folded into the learning rate; 1 where each Q, K, V block has its own."""
+    return hyper.scale(shape) if split_rows is None else 1.0
+
+
+MATH = MatrixMath(
+    direction=direction,
+    hyper=MuonHyper.of,
+    elementwise=(STATE,),
+    prepare=prepare,
+    scale=scale,
+    batched=batched,
+    sharded=sharded,
+    qkv=True,
+)
 
 
 @torch.no_grad()
@@ -502,177 +255,28 @@ def muon_step_(
     param: Tensor,
     grad: Tensor,
     momentum_buffer: Tensor,
+    hyper: MuonHyper,
     *,
     lr: float,
     weight_decay: float,
-    momentum: float = 0.95,
-    nesterov: bool = True,
-    ns_steps: int = 5,
-    coefficient_type: str = "simple",
-    ns_dtype: torch.dtype = torch.bfloat16,
-    ns_algorithm: str = "standard",
-    scale_mode: str = "spectral",
-    extra_scale_factor: float = 0.2,
-    qkv_split_shapes: Sequence[int] | None = None,
+    split_rows: Sequence[int] | None = None,
 ) -> None:
-    """One Muon step, in place on the fp32 master ``param`` and ``momentum_buffer``, with
-    the op order of ``torch.optim.Muon`` (single tensor path)."""
+    """One Muon step of one matrix, in place on the fp32 master ``param`` and ``momentum_buffer``: the rule's
+    own hooks, in ``torch.optim.Muon``'s op order (its single-tensor path)."""
     if param.shape != grad.shape or param.shape != momentum_buffer.shape or param.dim() != 2:
         raise ValueError(
             f"muon_step_ needs equal 2D shapes, got param {tuple(param.shape)}, "
             f"grad {tuple(grad.shape)}, momentum {tuple(momentum_buffer.shape)}"
         )
-    direction = momentum_direction_(grad, momentum_buffer, momentum, nesterov)
-    update, alpha = scaled_update(
-        direction,
-        lr,
-        ns_steps=ns_steps,
-        coefficient_type=coefficient_type,
-        ns_dtype=ns_dtype,
-        ns_algorithm=ns_algorithm,
-        scale_mode=scale_mode,
-        extra_scale_factor=extra_scale_factor,
-        qkv_split_shapes=qkv_split_shapes,
+    step_matrix_(
+        MATH, param, grad, {STATE: momentum_buffer}, hyper, 0, lr=lr, weight_decay=weight_decay, split_rows=split_rows
     )
-    apply_update_(param, update, alpha, lr, weight_decay)
-
-
-@dataclass(frozen=True)
-class NewtonSchulzCost:
-    """The Newton-Schulz run the planner costs each Muon matrix by: the optimizer config's steps,
-    dtype and algorithm (the kernel :func:`orthogonalize` will pick, gram or standard, per shape)
-    and where it runs (``on_cpu``: symmetric products, :func:`uses_symmetric`)."""
-
-    steps: int = 5
-    dtype: str = "bf16"  # a key of NS_DTYPES
-    algorithm: str = "auto"
-    on_cpu: bool = False  # the optimizer steps on a CPU (GPU clusters are what plans are for)
-
-    def __post_init__(self):
-        if self.dtype not in NS_DTYPES:
-            raise ValueError(f"unknown Newton-Schulz dtype {self.dtype!r} (--muon-ns-dtype); choose one of bf16, fp32")
-        _check_algorithm(self.algorithm)
-
-    @classmethod
-    def of(cls, cfg, on_cpu: bool = False) -> NewtonSchulzCost:
-        """From a MatrixFSDPOptimizerConfig, or the parsed arguments of the same names."""
-        return cls(cfg.muon_num_ns_steps, cfg.muon_ns_dtype, cfg.muon_ns_algorithm, on_cpu)
-
-    def multiply_adds(self, shape: Sequence[int]) -> int:
-        dtype = NS_DTYPES[self.dtype]
-        gram = uses_gram(shape, self.steps, dtype, self.algorithm)
-        return ns_multiply_adds(shape, self.steps, dtype, gram, uses_symmetric(shape, self.algorithm, self.on_cpu))
-
-
-def newton_schulz_cost(
-    shape: Sequence[int], split_rows: Sequence[int] | None = None, ns: NewtonSchulzCost = NewtonSchulzCost()
-) -> int:
-    """Multiply-adds of orthogonalizing one matrix as ``ns`` says (every iteration, the m^3 terms
-    included), summed over the blocks orthogonalized separately."""
-    return sum(ns.multiply_adds(block) for block in orthogonalized_blocks(shape, split_rows))
-
-
-def orthogonalized_blocks(shape: Sequence[int], split_rows: Sequence[int] | None) -> list[tuple[int, int]]:
-    """(rows, cols) of each block Muon orthogonalizes apart: the whole matrix, or with ``split_rows``
-    (rows per query group of Q, K, V) one block each of groups x rows."""
-    rows, cols = shape
-    if not split_rows:
-        return [(rows, cols)]
-    groups = rows // sum(split_rows)
-    return [(groups * r, cols) for r in split_rows]
-
-
-def muon_kwargs(cfg) -> dict:
-    """The Newton-Schulz and scale settings of a MatrixFSDPOptimizerConfig."""
-    return dict(
-        ns_steps=cfg.muon_num_ns_steps,
-        coefficient_type=cfg.muon_coefficient_type,
-        ns_dtype=NS_DTYPES[cfg.muon_ns_dtype],
-        ns_algorithm=cfg.muon_ns_algorithm,
-        scale_mode=cfg.muon_scale_mode,
-        extra_scale_factor=cfg.muon_extra_scale_factor,
-    )
-
-
-def step_kwargs(ctx: StepContext) -> dict:
-    """Everything a Muon step takes besides the tensors and the QKV split."""
-    cfg = ctx.config
-    return dict(
-        lr=ctx.lr,
-        weight_decay=ctx.weight_decay,
-        momentum=cfg.muon_momentum,
-        nesterov=cfg.muon_use_nesterov,
-        **muon_kwargs(cfg),
-    )
-
-
-def batched_updates(
-    directions: Sequence[Tensor],
-    split_rows: Sequence[Sequence[int] | None],
-    lr: float,
-    *,
-    ns_steps: int,
-    coefficient_type: str,
-    ns_dtype: torch.dtype,
-    ns_algorithm: str = "standard",
-    scale_mode: str,
-    extra_scale_factor: float,
-) -> list[tuple[Tensor, float]]:
-    """:func:`scaled_update` of every direction, with all Newton-Schulz runs of same-shape
-    matrices (Q, K and V blocks included) batched: the same (update, alpha) pairs."""
-    blocks = [[d] if rows is None else split_qkv(d, rows) for d, rows in zip(directions, split_rows)]
-    flat = orthogonalize_all([b for bs in blocks for b in bs], ns_steps, coefficient_type, ns_dtype, ns_algorithm)
-    out, k = [], 0
-    for d, rows, bs in zip(directions, split_rows, blocks):
-        done, k = flat[k : k + len(bs)], k + len(bs)
-        if rows is None:
-            out.append((done[0], -lr * update_scale(tuple(d.shape), scale_mode, extra_scale_factor)))
-            continue
-        parts = [x.mul_(update_scale(tuple(x.shape), scale_mode, extra_scale_factor)) for x in done]
-        out.append((merge_qkv(parts, rows, tuple(d.shape)), -lr))
-    return out
-
-
-def step(pieces: Sequence[OwnedPiece], ctx: StepContext) -> None:
-    """Batched on CUDA (one launch per stack instead of per matrix); one matrix at a time on a
-    CPU, where a batched product runs the same kernel per entry and measured no gain at hidden
-    512 (benchmarks/bench_batched_ns.py)."""
-    (step_batched if pieces and pieces[0].master.is_cuda else step_per_matrix)(pieces, ctx)
-
-
-@torch.no_grad()
-def step_batched(pieces: Sequence[OwnedPiece], ctx: StepContext) -> None:
-    """:func:`muon_step_` on every owned matrix, with the Newton-Schulz runs batched by shape;
-    each matrix's numbers are those of the per-matrix step (momentum, orthogonalization and
-    update touch only their own matrix)."""
-    kwargs = step_kwargs(ctx)
-    lr, weight_decay = kwargs.pop("lr"), kwargs.pop("weight_decay")
-    momentum, nesterov = kwargs.pop("momentum"), kwargs.pop("nesterov")
-    for p in pieces:
-        if p.master.shape != p.grad.shape or p.master.dim() != 2:
-            raise ValueError(f"muon step needs equal 2D shapes, got {tuple(p.master.shape)}, {tuple(p.grad.shape)}")
-    directions = [momentum_direction_(p.grad, p.state["momentum_buffer"], momentum, nesterov) for p in pieces]
-    updates = batched_updates(directions, [p.split_rows for p in pieces], lr, **kwargs)
-    for p, (update, alpha) in zip(pieces, updates):
-        apply_update_(p.master, update, alpha, lr, weight_decay)
-
-
-def step_per_matrix(pieces: Sequence[OwnedPiece], ctx: StepContext) -> None:
-    """The unbatched step, one :func:`muon_step_` per matrix: the reference for :func:`step`."""
-    kwargs = step_kwargs(ctx)
-    for p in pieces:
-        muon_step_(p.master, p.grad, p.state["momentum_buffer"], qkv_split_shapes=p.split_rows, **kwargs)
 
 
 def rule_cost(shape: Sequence[int], split_rows: Sequence[int] | None, context: CostContext) -> int:
     """The planner's cost of a Muon matrix: the multiply-adds of the Newton-Schulz run the optimizer
-    config asks for, on the machine that steps (:class:`NewtonSchulzCost`)."""
-    return newton_schulz_cost(shape, split_rows, NewtonSchulzCost.of(context.config, context.on_cpu))
-
-
-def splits_qkv(config) -> bool:
-    """--muon-split-qkv (megatron-core's muon_split_qkv): Q, K and V orthogonalized apart."""
-    return bool(config.muon_split_qkv)
+    config asks for, on the machine that steps (newton_schulz.NewtonSchulzCost)."""
+    return newton_schulz_cost(shape, split_rows, hyper_in(context.config).ns.cost(context.on_cpu))
 
 
 def scalar_rule(config) -> str:
@@ -682,32 +286,44 @@ def scalar_rule(config) -> str:
 
 def ns_algorithm_text(config) -> str:
     """--muon-ns-algorithm as it acts in this run (auto_may_use_gram, uses_symmetric)."""
-    algorithm = config.muon_ns_algorithm
+    ns = hyper_in(config).ns
+    algorithm = ns.algorithm
     if algorithm == "auto":
-        gram = auto_may_use_gram(NS_DTYPES[config.muon_ns_dtype])
-        algorithm = "auto: gram where it needs fewer flops" if gram else "auto: standard"
-    if config.muon_ns_algorithm != "standard" and not torch.cuda.is_available():
+        algorithm = "auto: gram where it needs fewer flops" if auto_may_use_gram(ns.dtype) else "auto: standard"
+    if ns.algorithm != "standard" and not torch.cuda.is_available():
         algorithm += f", symmetric products by block rows where the short side is >= {SYMMETRIC_MIN_ROWS}"
     return algorithm
 
 
 def describe(config) -> str:
     """The start-up line's account of Muon's settings."""
+    s, h = RULE.settings_in(config), hyper_in(config)
     return (
-        f"{config.muon_coefficient_type} x {config.muon_num_ns_steps} Newton-Schulz steps in {config.muon_ns_dtype} "
-        f"({ns_algorithm_text(config)}), TP mode {config.muon_tp_mode}"
+        f"{s.muon_coefficient_type} x {h.ns.steps} Newton-Schulz steps in {s.muon_ns_dtype} "
+        f"({ns_algorithm_text(config)}), TP mode {h.tp_mode}"
     )
 
 
-RULE = UpdateRule(
-    name="muon",
-    storage=WHOLE,
-    state=("momentum_buffer",),
-    step=step,
+def tp_mode(settings: MuonSettings, config) -> str:
+    """--muon-tp-mode (megatron-core's muon_tp_mode)."""
+    return MuonHyper.of(settings, config).tp_mode
+
+
+def muon_state_bytes(shape: Sequence[int], context: CostContext) -> int:
+    """fp32 momentum, one word per element."""
+    return 4 * math.prod(shape)
+
+
+RULE = matrix_rule(
+    NAME,
+    MATH,
+    settings=MuonSettings,
     cost=rule_cost,
-    optimizer="muon",
+    state_bytes=muon_state_bytes,
+    optimizer=NAME,
     elementwise=scalar_rule,
+    tp_mode=tp_mode,
+    tp_flag="--muon-tp-mode",
     splits_qkv=splits_qkv,
-    tp_variant="muon_tp",
     describe=describe,
 )

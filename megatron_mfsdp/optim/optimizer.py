@@ -6,9 +6,9 @@ what it owns: whole matrices and an even slice of the tail. So the step is local
 the shell keeps fp32 masters, computes gradient statistics (one all-reduce of two
 scalars: squared norm and zero count, which loss scaling's inf/nan check, clipping
 and logging need), clips, and hands each owned piece to its update rule from
-``registry.py``. No tensor data moves (with tensor parallelism and ``muon_tp_mode``
-'duplicated' or 'distributed', owners of a TP shard also talk to their TP group:
-see muon_tp.py).
+``registry.py``. No tensor data moves (with tensor parallelism and a matrix rule's TP
+mode 'duplicated' or 'distributed', owners of a TP shard also talk to their TP group:
+see matrix.py).
 """
 
 from __future__ import annotations
@@ -69,9 +69,9 @@ NORM_ROW = 4096
 
 def sum_of_squares(t: torch.Tensor) -> torch.Tensor:
     """sum(t * t) as an fp64 scalar without casting ``t``: fp32 norms of rows of NORM_ROW elements,
-    squared and summed in fp64. Casting a 4M-element fp32 tensor to fp64 first measured 17x slower
-    (23 vs 1.4 ms); one fp32 norm over all of it was off by 1.9e-4 relatively, the rows by 3e-8
-    (within fp32 rounding: tests/unit/test_grad_norm_sum.py)."""
+    squared and summed in fp64. Casting the tensor to fp64 first copies it whole (the two timed:
+    benchmarks/bench_optimizer_step.py --grad-norm); one fp32 norm over all of it drifts by more
+    than fp32 rounding on a large tensor, the rows do not (tests/unit/test_grad_norm_sum.py)."""
     flat = t.reshape(-1)
     whole = flat.numel() // NORM_ROW * NORM_ROW
     total = torch.linalg.vector_norm(flat[:whole].view(-1, NORM_ROW), dim=1).double().square().sum()
@@ -98,6 +98,9 @@ class MatrixFSDPOptimizer(MegatronOptimizer):
         self._fp8_units: list[_Fp8Unit] = []  # units whose matrices the owner quantizes (precision/)
         self.fp8_track_error = False  # set before a step to measure FP8 rounding against the update
         self.fp8_errors: dict[str, float] = {}
+        self._rules = {  # the rule that steps each placement class, resolved once per layout (registry.rule_set)
+            layout: registry.rule_set((), config, layout) for layout in {c.ddp_config.layout for c in model_chunks}
+        }
         param_groups = self._param_groups(config)
         for chunk in model_chunks:
             self._add_pieces(config, chunk, param_groups)
@@ -112,25 +115,29 @@ class MatrixFSDPOptimizer(MegatronOptimizer):
         self.rederive_fp8_payload(first=True)
 
     # ------------------------------------------------------------- set-up
-    def _rule_of(self, slot, param) -> UpdateRule:
-        rule = registry.rule_for(slot.rule, slot.storage, self._config)
-        if rule.tp_variant and group_size(self.tp_group) > 1 and getattr(param, "tensor_model_parallel", False):
-            return registry.get(rule.tp_variant)
-        return rule
+    def _rule_of(self, chunk, slot) -> UpdateRule:
+        rules = self._rules[chunk.ddp_config.layout]
+        if rules.storage(slot.rule) != slot.storage:
+            raise ValueError(
+                f"{slot.name}: MatrixFSDP placed it as {slot.storage}, but --optimizer {self._config.optimizer} "
+                f"steps its class {slot.rule!r} as {rules.storage(slot.rule)}: build MatrixFSDPConfig's rules from "
+                "this optimizer config (registry.rule_set)"
+            )
+        return registry.get(rules.update_rule(slot.rule))
 
-    def _group_key(self, config, slot, param) -> tuple[str, float, bool]:
+    def _group_key(self, config, chunk, slot, param) -> tuple[str, float, bool]:
         """(update rule, weight-decay multiplier, decoupled lr): megatron-core's grouping, where biases
         and 1D parameters take no weight decay and, with --decoupled-lr, the input and output
         embeddings take their own lr."""
         wd_mult = 0.0 if no_weight_decay(slot.name, slot.shape) else 1.0
         decoupled = config.decoupled_lr is not None and getattr(param, "is_embedding_or_output_parameter", False)
-        return self._rule_of(slot, param).name, wd_mult, bool(decoupled)
+        return self._rule_of(chunk, slot).name, wd_mult, bool(decoupled)
 
     def _param_groups(self, config) -> dict[tuple, dict]:
         """One lr/wd group per key used anywhere in the plan, so every rank has the same groups,
         even one that owns nothing."""
         keys = {
-            self._group_key(config, slot, param)
+            self._group_key(config, chunk, slot, param)
             for chunk in self.model_chunks
             for unit in chunk.units
             for slot, param in unit.params
@@ -162,7 +169,7 @@ class MatrixFSDPOptimizer(MegatronOptimizer):
                 for slot, param in unit.params:
                     bounds = tuple(unit.layout.param_bounds(slot))
                     matrix = GroupMatrix(_global_slot_name(chunk, slot), tuple(slot.shape), slot.split_rows, bounds)
-                    members[self._group_key(config, slot, param)].append(matrix)
+                    members[self._group_key(config, chunk, slot, param)].append(matrix)
         return list(members.values())
 
     def _add_pieces(self, config, chunk, param_groups) -> None:
@@ -172,7 +179,7 @@ class MatrixFSDPOptimizer(MegatronOptimizer):
             master = self._seed_master(unit, chunk)
             for piece in unit.pieces:
                 slot, param = piece.slot, unit.by_name[piece.slot.param_name]
-                rule = self._rule_of(slot, param)
+                rule = self._rule_of(chunk, slot)
                 seg = slice(piece.segment_offset, piece.segment_offset + piece.numel)
                 shape = slot.shape if rule.storage == WHOLE else (piece.numel,)
                 tp_split = bool(getattr(param, "tensor_model_parallel", False))
@@ -194,10 +201,10 @@ class MatrixFSDPOptimizer(MegatronOptimizer):
                     param_shape=tuple(slot.shape),
                     state_replica=_state_replica(unit.layout.param_bounds(slot), shard_rank),
                 )
-                owned.state = rule.init_state(owned, registry.settings_of(rule, config))
+                owned.state = rule.init_state(owned, rule.settings_in(config))
                 if rule.check is not None:
                     rule.check(owned, config)
-                param_groups[self._group_key(config, slot, param)]["params"].append(owned)
+                param_groups[self._group_key(config, chunk, slot, param)]["params"].append(owned)
                 if unit.codec is not None and unit.codec.records[slot.name].fp8 and rule.storage == WHOLE:
                     self._fp8_units[-1].add(slot.name, owned.key)
 
@@ -350,7 +357,7 @@ class MatrixFSDPOptimizer(MegatronOptimizer):
                 ctx = StepContext(
                     self.config, self.step_count, group["lr"], group["weight_decay"], self.tp_group, dp_group, matrices
                 )
-                ctx.settings = registry.settings_of(rule, self.config)
+                ctx.settings = rule.settings_in(self.config)
                 with profile_range(RULE.format(rule.name)):
                     rule.step(group["params"], ctx)
         self._sync_model_from_masters(after_step=True, before=before)
@@ -523,12 +530,15 @@ class MatrixFSDPOptimizer(MegatronOptimizer):
         }
 
     def load_common_state_dict(self, state: dict) -> None:
-        """The lr groups' values come back where the group count matches; their rule stays this run's
-        (muon and muon_tp differ only by TP size). The scheduler sets lr and wd on load anyway."""
+        """The lr groups' values come back to the group of the same rule, weight-decay multiplier and
+        decoupled lr (a checkpoint from before muon_tp was folded into muon names it so); groups of a rule
+        this run does not have (another layout's) are left. The scheduler sets lr and wd on load anyway."""
         self.step_count = state["step"]
-        if len(state["param_groups"]) == len(self.optimizer.param_groups):
-            for group, saved in zip(self.optimizer.param_groups, state["param_groups"]):
-                group.update({k: v for k, v in saved.items() if k != "optimizer"})
+        saved = {_group_identity(g): g for g in state["param_groups"]}
+        for group in self.optimizer.param_groups:
+            match = saved.get(_group_identity(group))
+            if match is not None:
+                group.update({k: v for k, v in match.items() if k != "optimizer"})
         if self.grad_scaler is not None and state.get("grad_scaler") is not None:
             with cuda_on_cpu():
                 self.grad_scaler.load_state_dict(state["grad_scaler"])
@@ -540,6 +550,12 @@ class MatrixFSDPOptimizer(MegatronOptimizer):
         states = sum(t.numel() * t.element_size() for st in self.optimizer.state.values() for t in st.values())
         states += sum(t.numel() * t.element_size() for _, st in self._fp8_states() for t in st.values())
         return {"masters": masters, "optimizer_state": states}
+
+
+def _group_identity(group: dict) -> tuple:
+    """What tells an lr group apart: its rule (by today's name, registry.RENAMED), wd multiplier, decoupled lr."""
+    rule = registry.RENAMED.get(group["optimizer"], group["optimizer"])
+    return rule, group.get("wd_mult"), group.get("is_decoupled_lr")
 
 
 def _state_replica(bounds, rank: int) -> int:

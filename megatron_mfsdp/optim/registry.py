@@ -5,9 +5,10 @@ The optimizer shell, placement and the command line read everything from here. A
 its parameters by role (placement/classes.py: MATRIX, ELEMENTWISE); ``--optimizer`` names the
 rule of the matrices (the rule that declares ``optimizer=``), and that rule names the rule of
 the elementwise parameters (its ``elementwise``; an elementwise optimizer runs on both).
-``--mfsdp-param-rule`` names rules directly. Placement takes each rule's storage, cost and state
-bytes (:func:`rule_set`); the command line takes ``--optimizer``'s choices and each rule's
-settings (its flags) from here.
+``--mfsdp-param-rule`` names rules directly. :func:`rule_set` resolves every role and rule name
+once, for an optimizer config and a layout, into the RuleSet that placement (storage, cost, state
+bytes) and the optimizer shell (which rule steps each class) both read; the command line takes
+``--optimizer``'s choices and each rule's settings (its flags) from here.
 """
 
 from __future__ import annotations
@@ -17,21 +18,33 @@ import functools
 from collections.abc import Sequence
 
 from ..placement.classes import ELEMENTWISE, LAYOUTS, MATRIX, ROLES, SLICE, WHOLE, RuleKind, RuleSet
-from . import adamw, adaptive_muon, lion, muon, muon_even, muon_tp, sgd, shampoo, soap
+from . import adamw, adaptive_muon, lion, muon, sgd, shampoo, soap
 from .rule import CostContext, UpdateRule
 
 _ENTRIES: tuple[UpdateRule, ...] = (
     muon.RULE,
-    muon_tp.RULE,
     adamw.RULE,
     sgd.RULE,
-    muon_even.RULE,
+    muon.RULE.even,
     shampoo.RULE,
+    shampoo.RULE.even,
     adaptive_muon.RULE,
+    adaptive_muon.RULE.even,
     lion.RULE,
     soap.RULE,
+    soap.RULE.even,
 )
+"""Every rule and --mfsdp-layout even variant, in the order of the optimizer's param groups (the order the
+gradient statistics sum the pieces in; kept as it was when muon_tp and muon_even were rules of their own)."""
 RULES: dict[str, UpdateRule] = {}
+RENAMED = {"muon_tp": "muon"}
+"""Rule names a checkpoint may hold that are another rule's today (Muon's TP modes were a rule of their own)."""
+
+
+def _add(rule: UpdateRule) -> None:
+    if rule.name in RULES:
+        raise ValueError(f"update rule {rule.name!r} is already registered")
+    RULES[rule.name] = rule
 
 
 def register(rule: UpdateRule) -> None:
@@ -39,15 +52,13 @@ def register(rule: UpdateRule) -> None:
     an entry in ``_ENTRIES``, for this process. A name already taken is refused."""
     global _ENTRIES
     for r in (rule,) + ((rule.even,) if rule.even is not None else ()):
-        if r.name in RULES:
-            raise ValueError(f"update rule {r.name!r} is already registered")
-        RULES[r.name] = r
-    if not any(r is rule for r in _ENTRIES):
-        _ENTRIES = _ENTRIES + (rule,)
+        _add(r)
+        if not any(e is r for e in _ENTRIES):
+            _ENTRIES = _ENTRIES + (r,)
 
 
 for _rule in _ENTRIES:
-    register(_rule)
+    _add(_rule)
 
 
 def get(name: str) -> UpdateRule:
@@ -69,6 +80,11 @@ def optimizer_choices() -> list[str]:
 def rule_names() -> list[str]:
     """Rules a user may name in --mfsdp-param-rule."""
     return list(RULES)
+
+
+def settings_rules() -> list[UpdateRule]:
+    """The rules that own settings (a dataclass whose fields are flags); variants share their rule's."""
+    return [rule for rule in _ENTRIES if rule.settings is not None and rule.family is None]
 
 
 def optimizer_rule(optimizer: str) -> UpdateRule:
@@ -99,37 +115,27 @@ def rule_for(placed: str, storage: str, config) -> UpdateRule:
         rule = elementwise_rule(config)
     else:
         rule = get(placed)
-    return get(even_variant(rule.name)) if storage == SLICE and rule.storage == WHOLE else rule
+    if storage != SLICE or rule.storage != WHOLE:
+        return rule
+    if rule.even is None:
+        raise ValueError(
+            f"update rule {rule.name!r} has no even-shard variant: --mfsdp-layout even (ZeRO-3 with reconstruction) "
+            f"cannot place it; use --mfsdp-layout owner"
+        )
+    return rule.even
 
 
-def even_variant(name: str) -> str:
-    """The rule that stands for ``name`` under --mfsdp-layout even: SLICE rules stay, a WHOLE rule
-    is replaced by the rule that declares ``even_layout_of=name``."""
-    if get(name).storage != WHOLE:
-        return name
-    if get(name).even is not None:
-        return get(name).even.name
-    for rule in _ENTRIES:
-        if rule.even_layout_of == name:
-            return rule.name
-    raise ValueError(
-        f"update rule {name!r} has no even-shard variant: --mfsdp-layout even (ZeRO-3 with reconstruction) "
-        f"cannot place it; use --mfsdp-layout owner"
-    )
+def validate(config) -> None:
+    """Raise, naming the flag, where a rule ``config`` runs (--optimizer's and its elementwise rule) has a
+    setting it cannot step with."""
+    for rule in {optimizer_rule(config.optimizer), elementwise_rule(config)}:
+        if rule.validate is not None:
+            rule.validate(config)
 
 
 def settings_defaults() -> dict[str, object]:
     """Each rule's settings with their defaults (the rules that have settings)."""
-    return {rule.name: rule.settings() for rule in _ENTRIES if rule.settings is not None}
-
-
-def settings_of(rule: UpdateRule, config):
-    """The rule's settings in ``config`` (a MatrixFSDPOptimizerConfig), its defaults if absent."""
-    if rule.family is not None:
-        rule = get(rule.family)
-    if rule.settings is None:
-        return None
-    return getattr(config, "rule_settings", {}).get(rule.name) or rule.settings()
+    return {rule.name: rule.settings() for rule in settings_rules()}
 
 
 def describe(config) -> str:
@@ -138,7 +144,7 @@ def describe(config) -> str:
     def account(rule: UpdateRule) -> str:
         if rule.describe is not None:
             return rule.describe(config)
-        settings = settings_of(rule, config)
+        settings = rule.settings_in(config)
         if settings is None:
             return "Megatron's optimizer flags"
         return ", ".join(f"{f.name} {getattr(settings, f.name)}" for f in dataclasses.fields(settings))
@@ -154,22 +160,19 @@ def setting_dest(rule: UpdateRule, field: str) -> str:
     return field if field.startswith(rule.name + "_") else f"{rule.name}_{field}"
 
 
-def settings_from_args(args) -> dict[str, object]:
-    """Each rule's settings from parsed flags (:func:`setting_dest` of each field)."""
-    out = {}
-    for rule in _ENTRIES:
-        if rule.settings is not None:
-            values = {f.name: getattr(args, setting_dest(rule, f.name)) for f in dataclasses.fields(rule.settings)}
-            out[rule.name] = rule.settings(**{k: v for k, v in values.items()})
-    return out
-
-
-def _kind(rule: UpdateRule, storage: str, config, context: CostContext) -> RuleKind:
+def _kind(placed: str, layout: str, config, context: CostContext) -> RuleKind:
+    """What placement needs of one class, and the rule that steps it: the hidden matrices stay whole and are
+    planned as Muon's whatever the --optimizer (an elementwise one steps them as it would a slice)."""
+    runs = rule_for(placed, WHOLE, config)
+    planned = muon.RULE if placed == MATRIX and runs.storage != WHOLE else runs
+    storage = SLICE if layout == "even" else planned.storage
+    runs, planned = rule_for(runs.name, storage, config), rule_for(planned.name, storage, config)
     return RuleKind(
         storage,
-        functools.partial(_cost, rule, context),
-        functools.partial(rule.resident_bytes, context=context),
-        bool(rule.splits_qkv(config)),
+        functools.partial(_cost, planned, context),
+        functools.partial(planned.resident_bytes, context=context),
+        bool(planned.splits_qkv(config)),
+        runs.name,
     )
 
 
@@ -177,45 +180,19 @@ def _cost(rule: UpdateRule, context: CostContext, shape, split_rows=None) -> int
     return rule.cost(shape, split_rows, context)
 
 
-def rule_set(
-    rules: Sequence[tuple[str, str]] = (), config=None, layout: str = "owner", on_cpu: bool = False
-) -> RuleSet:
-    """Placement's view of a user rule list (``(pattern, rule name)``) for training with ``config`` (a
-    MatrixFSDPOptimizerConfig; None: Muon with its defaults, the placement MatrixFSDP makes without one):
-    every role's and rule's storage, planner cost and state bytes. With layout 'even' every WHOLE rule is
-    replaced by its even variant, so every parameter is an even SLICE. A model's roles are appended by
-    the runtime (``RuleSet.extended``)."""
-    if config is None:
-        from ..config import MatrixFSDPOptimizerConfig
-
-        config = MatrixFSDPOptimizerConfig(optimizer=muon.RULE.optimizer)
+def rule_set(rules: Sequence[tuple[str, str]], config, layout: str = "owner", on_cpu: bool = False) -> RuleSet:
+    """Every role and rule name resolved once for training with ``config`` (a MatrixFSDPOptimizerConfig) in
+    ``layout``: its storage, planner cost and state bytes (placement's), whether Q, K and V are updated apart,
+    and the update rule that steps it (the optimizer's). ``rules`` are the user's (``(pattern, rule name)``);
+    a model's roles are appended by the runtime (``RuleSet.extended``). With layout 'even' every WHOLE rule is
+    replaced by its even variant, so every parameter is an even SLICE."""
     if layout not in LAYOUTS:
         raise ValueError(f"unknown layout {layout!r} (--mfsdp-layout); choose one of {', '.join(LAYOUTS)}")
-    context, named = CostContext(config, on_cpu), {name for _, name in rules}
-    kinds = {}
+    context, named, kinds = CostContext(config, on_cpu), {name for _, name in rules}, {}
     for placed in ROLES + tuple(RULES):
-        rule = rule_for(placed, WHOLE, config)
-        if placed == MATRIX and rule.storage != WHOLE:
-            rule = muon.RULE  # hidden matrices stay whole (planned as Muon's) whatever the optimizer, as before
-        storage = SLICE if layout == "even" else rule.storage
         try:
-            kinds[placed] = _kind(rule_for(rule.name, storage, config), storage, config, context)
+            kinds[placed] = _kind(placed, layout, config, context)
         except ValueError:  # a WHOLE rule with no even variant: refused if this run would place anything under it
             if placed == MATRIX or placed in named:
                 raise
     return RuleSet(tuple(rules), kinds)
-
-
-def muon_rule_set(ns, split_qkv: bool = True, rules: Sequence[tuple[str, str]] = (), layout: str = "owner") -> RuleSet:
-    """:func:`rule_set` for Muon with the Newton-Schulz run ``ns`` (a muon.NewtonSchulzCost): what the planner
-    benchmarks and the scaling model plan with."""
-    from ..config import MatrixFSDPOptimizerConfig
-
-    config = MatrixFSDPOptimizerConfig(
-        optimizer=muon.RULE.optimizer,
-        muon_num_ns_steps=ns.steps,
-        muon_ns_dtype=ns.dtype,
-        muon_ns_algorithm=ns.algorithm,
-        muon_split_qkv=split_qkv,
-    )
-    return rule_set(rules, config, layout, ns.on_cpu)

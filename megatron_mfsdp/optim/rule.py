@@ -79,8 +79,8 @@ class GroupMatrix:
 
 @dataclass(frozen=True)
 class CostContext:
-    """What a planner cost may read: the optimizer config (the rules' settings in it) and where the
-    step runs (a CPU picks other Newton-Schulz kernels than a GPU)."""
+    """What a planner cost may read: the optimizer config (a rule's settings in it: UpdateRule.settings_in)
+    and where the step runs (a CPU picks other Newton-Schulz kernels than a GPU)."""
 
     config: object
     on_cpu: bool = False
@@ -118,9 +118,7 @@ class UpdateRule:
     the parameter (any TP, DP or PP layout reads them); the others are saved whole under their matrix's
     name. None: every state named in ``state``."""
     splits_qkv: Callable[[object], bool] = never  # whether QKV's Q, K and V blocks are updated apart
-    tp_variant: str | None = None  # the rule used instead on tensor-parallel shards (TP > 1)
     check: Callable[[OwnedPiece, object], None] | None = None  # validate a piece at set-up
-    even_layout_of: str | None = None  # with --mfsdp-layout even, parameters placed under that WHOLE rule get this one
     collective: bool = False  # the step joins DP collectives: it runs on every rank, pieces or not
     state_over_tp: Callable[[object], bool] = never
     """Whether, under this optimizer config, the rule keeps the state of the whole TP-split matrix on every
@@ -129,6 +127,15 @@ class UpdateRule:
     family: str | None = None  # the rule whose settings this variant shares (an even or TP variant's)
     describe: Callable[[object], str] | None = None
     """Its settings under an optimizer config, for the start-up line; None: its settings' fields."""
+    validate: Callable[[object], None] | None = None
+    """Raise, naming the flag, if an optimizer config holds settings this rule cannot step with."""
+
+    def settings_in(self, config):
+        """This rule's settings in an optimizer config (its ``rule_settings``, by the name of the rule whose
+        settings a variant shares), the defaults where absent; None for a rule without settings."""
+        if self.settings is None:
+            return None
+        return getattr(config, "rule_settings", {}).get(self.family or self.name) or self.settings()
 
     def init_state(self, piece: OwnedPiece, settings) -> dict[str, torch.Tensor]:
         if callable(self.state):

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from .matrix import TP_MODES, MatrixMath, matrix_rule, settings_in
+from .matrix import MatrixMath, matrix_rule, tp_mode_field
 
 GRAFT_NORM_EPS = 1e-16
 """Added to the Shampoo direction's norm before dividing by it (Distributed Shampoo's constant)."""
@@ -75,15 +75,7 @@ class ShampooSettings:
             "alone (Distributed Shampoo's max_preconditioner_dim; its README starts at 8192)"
         },
     )
-    tp_mode: str = field(
-        default="blockwise",
-        metadata={
-            "flag": "--shampoo-tp-mode",
-            "choices": TP_MODES,
-            "help": "blockwise: Shampoo on each TP shard (no communication); duplicated: the gradient "
-            "all-gathered over TP and the whole matrix's Shampoo on every TP rank (the TP = 1 numbers)",
-        },
-    )
+    tp_mode: str = tp_mode_field("shampoo", "Shampoo")
 
     def __post_init__(self):
         if not 0.0 <= self.shampoo_beta <= 1.0:
@@ -208,7 +200,7 @@ def cost(shape, split_rows, context) -> int:
     (r^2 c + r c^2, full products as addmm runs them), the preconditioning L^-1/4 M R^-1/4 (the same),
     and the two roots' refresh ((4.5 + 1) (r^3 + c^3), :data:`EIGH_MULTIPLY_ADDS_X2`) amortised over the
     frequency. Adam's elementwise work (a few operations per element) is left out, as Muon's cost does."""
-    s = settings_in(context.config, RULE.name, ShampooSettings)
+    s = RULE.settings_in(context.config)
     total = 0
     for r, c in block_shapes(shape, s.shampoo_max_precond_dim):
         total += 2 * (r * r * c + r * c * c)
@@ -218,7 +210,7 @@ def cost(shape, split_rows, context) -> int:
 
 def state_bytes(shape, context) -> int:
     """fp32 bytes resident: Adam's two moments, and per block its two factors and their two roots."""
-    s = settings_in(context.config, RULE.name, ShampooSettings)
+    s = RULE.settings_in(context.config)
     rows, cols = shape
     factors = sum(2 * (r * r + c * c) for r, c in block_shapes(shape, s.shampoo_max_precond_dim))
     return 4 * (2 * rows * cols + factors)

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from .matrix import TP_MODES, MatrixMath, matrix_rule, settings_in
+from .matrix import MatrixMath, matrix_rule, tp_mode_field
 
 NAME = "soap"
 SIDES = (("L", "Q_L"), ("R", "Q_R"))
@@ -61,15 +61,7 @@ class SoapSettings:
             "default; Megatron-LM has no limit: set it above every dimension to precondition all)"
         },
     )
-    tp_mode: str = field(
-        default="blockwise",
-        metadata={
-            "flag": "--soap-tp-mode",
-            "choices": TP_MODES,
-            "help": "blockwise: SOAP on each TP-local shard (as Megatron-LM); duplicated: the whole matrix on "
-            "every TP rank, the numbers of TP 1",
-        },
-    )
+    tp_mode: str = tp_mode_field("soap", "SOAP")
 
     def __post_init__(self):
         if not 0 <= self.soap_shampoo_beta < 1:
@@ -234,14 +226,14 @@ def step_multiply_adds(shape: Sequence[int], settings: SoapSettings) -> tuple[in
 
 def cost(shape, split_rows, context) -> int:
     """Planner multiply-adds per step: every step's, plus a refresh amortised over the frequency."""
-    settings = settings_in(context.config, NAME, SoapSettings)
+    settings = RULE.settings_in(context.config)
     every, refresh = step_multiply_adds(shape, settings)
     return every + refresh // settings.soap_precondition_frequency
 
 
 def state_bytes(shape, context) -> int:
     """fp32 words held: both moments (2 m n), and per preconditioned side its factor and basis (2 d^2)."""
-    settings = settings_in(context.config, NAME, SoapSettings)
+    settings = RULE.settings_in(context.config)
     m, n = (int(d) for d in shape[-2:])
     sides = sum(2 * d * d for d in (m, n) if d <= settings.soap_max_precond_dim)
     return 4 * (2 * m * n + sides)

@@ -49,6 +49,7 @@ class RuleKind:
     cost: CostFn  # planner cost of one parameter (shape, split rows or None): multiply-adds per step
     state_bytes: Callable[[tuple[int, ...]], int] = no_state  # resident optimizer state of one parameter
     splits_qkv: bool = False  # Q, K and V are updated apart (each a block of the cost, and may be placed apart)
+    rule: str = ""  # the update rule that steps this class (the optimizer's registry resolved it once)
 
 
 @dataclass(frozen=True)
@@ -91,6 +92,10 @@ class RuleSet:
 
     def splits_qkv(self, rule: str) -> bool:
         return self.kinds[rule].splits_qkv
+
+    def update_rule(self, placed: str) -> str:
+        """The name of the update rule that steps parameters placed under ``placed`` (a role or a rule name)."""
+        return self.kinds[placed].rule
 
     def extended(self, rules: Sequence[Rule]) -> RuleSet:
         """This set with ``rules`` (a model's roles) tried after its own (the user's)."""

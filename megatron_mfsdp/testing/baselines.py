@@ -20,21 +20,22 @@ import torch
 import torch.distributed as dist
 
 from ..compat.collectives import all_gather_single
+from ..optim import muon
 from ..optim.adamw import adamw_step_
-from ..optim.muon import apply_update_, momentum_direction_, muon_kwargs, muon_step_, scaled_update
+from ..optim.matrix import apply_decoupled_
 
 
-class MuonHyper:
-    """The hyperparameters of a MatrixFSDPOptimizerConfig, as the baselines use them."""
+class BaselineHyper:
+    """The hyperparameters of a MatrixFSDPOptimizerConfig, as the baselines use them: Muon's step
+    (optim/muon.py hyper_in) and the AdamW tail's."""
 
     def __init__(self, cfg):
         self.lr, self.wd = cfg.lr, cfg.weight_decay
-        self.momentum, self.nesterov = cfg.muon_momentum, cfg.muon_use_nesterov
-        self.ns = muon_kwargs(cfg)
+        self.muon = muon.hyper_in(cfg)
         self.beta1, self.beta2, self.eps = cfg.adam_beta1, cfg.adam_beta2, cfg.adam_eps
 
 
-def adamw_tail_(tail, h: MuonHyper, step_count: int) -> None:
+def adamw_tail_(tail, h: BaselineHyper, step_count: int) -> None:
     """AdamW on every tail tensor a baseline holds, elementwise."""
     b1, b2 = h.beta1, h.beta2
     for t in tail:
@@ -67,7 +68,7 @@ def baseline_bytes(matrices, tail) -> dict:
 class ReplicatedMuon:
     """Every rank: full params, full (already reduced) grads, full state; no communication."""
 
-    def __init__(self, matrices, tail, h: MuonHyper):
+    def __init__(self, matrices, tail, h: BaselineHyper):
         self.h = h
         self.step_count = 0
         self.matrices = [
@@ -94,17 +95,7 @@ class ReplicatedMuon:
         for t in self.matrices + self.tail:
             sumsq += t["grad"].double().square().sum()
         for t in self.matrices:
-            muon_step_(
-                t["param"],
-                t["grad"],
-                t["buf"],
-                lr=h.lr,
-                weight_decay=h.wd,
-                momentum=h.momentum,
-                nesterov=h.nesterov,
-                qkv_split_shapes=t["qkv"],
-                **h.ns,
-            )
+            muon.muon_step_(t["param"], t["grad"], t["buf"], h.muon, lr=h.lr, weight_decay=h.wd, split_rows=t["qkv"])
         adamw_tail_(self.tail, h, self.step_count)
         return math.sqrt(sumsq.item())
 
@@ -129,7 +120,7 @@ class ReconstructionMuon:
     """ZeRO-3 even shards; per matrix: all-gather the direction, Newton-Schulz on every rank,
     keep the local slice. The AdamW tail is elementwise and needs no communication."""
 
-    def __init__(self, matrices, tail, h: MuonHyper, group, rank, world, prefetch=False):
+    def __init__(self, matrices, tail, h: BaselineHyper, group, rank, world, prefetch=False):
         self.h, self.group, self.rank, self.world, self.prefetch = h, group, rank, world, prefetch
         self.step_count = 0
         self.matrices = []
@@ -164,7 +155,7 @@ class ReconstructionMuon:
             )
 
     def _gather(self, t):
-        direction = momentum_direction_(t["grad"], t["buf"], self.h.momentum, self.h.nesterov)
+        direction = muon.prepare(t["grad"], {muon.STATE: t["buf"]}, self.h.muon)
         full = torch.empty(t["param"].numel() * self.world, dtype=direction.dtype)
         work = all_gather_single(full, direction, group=self.group, async_op=self.prefetch)
         return full, work
@@ -186,9 +177,10 @@ class ReconstructionMuon:
                     pending = self._gather(self.matrices[i + 1])
             else:
                 full, _ = self._gather(t)
-            update, alpha = scaled_update(full[: t["numel"]].view(t["shape"]), h.lr, qkv_split_shapes=t["qkv"], **h.ns)
+            whole, rows = full[: t["numel"]].view(t["shape"]), t["qkv"]
+            update, scale = muon.direction(whole, {}, h.muon, 0, rows), muon.scale(t["shape"], h.muon, rows)
             lo = self.rank * t["param"].numel()
-            apply_update_(t["param"][: t["valid"]], update.reshape(-1)[lo : lo + t["valid"]], alpha, h.lr, h.wd)
+            apply_decoupled_(t["param"][: t["valid"]], update.reshape(-1)[lo : lo + t["valid"]], h.lr, h.wd, scale)
         adamw_tail_(self.tail, h, self.step_count)
         return math.sqrt(sumsq.item())
 

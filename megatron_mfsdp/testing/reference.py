@@ -70,11 +70,9 @@ def reference_step(model, config, opt_config, grads: dict, state: dict, step: in
     from ..optim import registry
 
     rules = registry.rule_set((), opt_config).extended(gpt_param_roles())
-    qkv_rows = qkv_split_rows(config) if opt_config.muon_split_qkv else None
     for n, p in model.named_parameters():
-        placed = rules.classify(n, p.shape)
-        rule = registry.rule_for(placed, rules.storage(placed), opt_config)
-        split = qkv_rows if n.endswith("linear_qkv.weight") and rule.splits_qkv(opt_config) else None
+        rule = registry.get(rules.update_rule(rules.classify(n, p.shape)))
+        split = qkv_split_rows(config) if n.endswith("linear_qkv.weight") and rule.splits_qkv(opt_config) else None
         if rule.name == "muon":
             _muon_blocks_step(p, grads[n], state.setdefault(n, {}), opt_config, split, muon_blocks)
         else:
@@ -84,14 +82,13 @@ def reference_step(model, config, opt_config, grads: dict, state: dict, step: in
 def _rule_step(rule, p, name, grad, state, opt_config, step: int, split_rows=None) -> None:
     """One step of ``rule`` on the whole parameter (flat for an elementwise rule, as a slice of it is),
     its state kept in ``state`` from step to step; ``split_rows``: Q, K and V updated apart."""
-    from ..optim import registry
     from ..optim.optimizer import no_weight_decay
     from ..optim.rule import OwnedPiece, StepContext
     from ..placement.classes import WHOLE
 
     shape = tuple(p.shape) if rule.storage == WHOLE else (p.numel(),)
     piece = OwnedPiece(name, name, rule.name, p.numel(), 0, p.data.view(shape), grad.view(shape), split_rows=split_rows)
-    settings = registry.settings_of(rule, opt_config)
+    settings = rule.settings_in(opt_config)
     if not state:
         state.update(rule.init_state(piece, settings))
     piece.state = state
@@ -101,9 +98,9 @@ def _rule_step(rule, p, name, grad, state, opt_config, step: int, split_rows=Non
 
 def _muon_blocks_step(p, grad, state, opt_config, split, blocks: int) -> None:
     """muon_step_ on each block along the TP split dimension, written back in place."""
-    from ..optim.muon import muon_kwargs, muon_step_
+    from ..optim.muon import hyper_in, muon_step_
 
-    buf = state.setdefault("momentum_buffer", torch.zeros(p.shape))
+    hyper, buf = hyper_in(opt_config), state.setdefault("momentum_buffer", torch.zeros(p.shape))
     dim = getattr(p, "partition_dim", 0)
     for block, grad_block, buf_block in zip(
         p.data.chunk(blocks, dim), grad.view(p.shape).chunk(blocks, dim), buf.chunk(blocks, dim)
@@ -113,12 +110,10 @@ def _muon_blocks_step(p, grad, state, opt_config, split, blocks: int) -> None:
             work,
             grad_block.contiguous(),
             work_buf,
+            hyper,
             lr=opt_config.lr,
             weight_decay=opt_config.weight_decay,
-            momentum=opt_config.muon_momentum,
-            nesterov=opt_config.muon_use_nesterov,
-            qkv_split_shapes=split,
-            **muon_kwargs(opt_config),
+            split_rows=split,
         )
         block.copy_(work)
         buf_block.copy_(work_buf)

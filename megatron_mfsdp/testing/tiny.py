@@ -102,25 +102,35 @@ def forward_step(data_iterator, model):
     return output, loss_func
 
 
+TEST_MUON = {"muon_coefficient_type": "simple", "muon_ns_dtype": "fp32"}
+"""The Newton-Schulz run of the exactness tests (optim/muon.py MuonSettings): Jordan's constants in fp32."""
+
+
 def optimizer_config(**overrides):
     """The optimizer settings the exactness tests use: Muon on the hidden matrices (momentum
-    0.95, Nesterov, spectral x 0.2, Jordan's constants), fp32 Newton-Schulz, no clipping."""
-    from ..config import MatrixFSDPOptimizerConfig
+    0.95, Nesterov, spectral x 0.2, Jordan's constants), fp32 Newton-Schulz, no clipping.
+    An override named as a field of Muon's settings (``muon_ns_dtype=...``) goes there; a
+    ``rule_settings`` entry for "muon" replaces them."""
+    import dataclasses
 
+    from ..config import MatrixFSDPOptimizerConfig
+    from ..optim.muon import MuonSettings
+
+    fields = {f.name for f in dataclasses.fields(MuonSettings)}
+    muon = MuonSettings(**{**TEST_MUON, **{k: overrides.pop(k) for k in list(overrides) if k in fields}})
     kwargs = dict(
         optimizer="muon",
         muon_momentum=0.95,
         muon_use_nesterov=True,
         muon_extra_scale_factor=0.2,
-        muon_coefficient_type="simple",
         lr=1e-2,
         min_lr=1e-2,
         weight_decay=0.1,
         clip_grad=0.0,
-        muon_ns_dtype="fp32",
         adam_beta1=0.9,
         adam_beta2=0.95,
         adam_eps=1e-8,
     )
     kwargs.update(overrides)
+    kwargs["rule_settings"] = {"muon": muon, **kwargs.get("rule_settings", {})}
     return MatrixFSDPOptimizerConfig(**kwargs)

@@ -137,7 +137,7 @@ def owner_bytes(chunks, optimizer, dp_rank: int) -> dict[str, int]:
     """What DP rank ``dp_rank`` of the chunks' plans holds for the whole run: its parameter segment
     (parameter dtype), its fp32 gradient segment, fp32 masters where the parameters are not fp32,
     and each piece's rule state (the rule's own count: Adam two moments, Muon and SGD one momentum,
-    a factored rule its factors; Muon's TP variant keeps Muon's). ``optimizer``: its config, or an
+    a factored rule its factors). ``optimizer``: its config, or an
     --optimizer name with the defaults. FP8 matrices, stored as bytes, are not modelled: the measured
     figure is."""
     from ..config import MatrixFSDPOptimizerConfig
@@ -148,12 +148,13 @@ def owner_bytes(chunks, optimizer, dp_rank: int) -> dict[str, int]:
     held = dict(params=0, grads=0, masters=0, optimizer_state=0)
     for chunk in chunks:
         masters = 0 if chunk.param_dtype == torch.float32 else 4
+        rules = registry.rule_set((), config, chunk.ddp_config.layout)
         for unit in chunk.plan.units:
             for piece in unit.local_pieces(dp_rank):
                 held["params"] += piece.numel * chunk.plan.element_size
                 held["grads"] += piece.numel * 4
                 held["masters"] += piece.numel * masters
-                rule = registry.rule_for(piece.slot.rule, piece.slot.storage, config)
+                rule = registry.get(rules.update_rule(piece.slot.rule))
                 shape = tuple(piece.slot.shape) if rule.storage == WHOLE else (piece.numel,)
                 held["optimizer_state"] += rule.resident_bytes(shape, CostContext(config))
     return held

@@ -87,11 +87,20 @@ def _same_named(cls, args, **overrides) -> dict:
     return kw
 
 
+def rule_settings(args) -> dict[str, object]:
+    """Each update rule's settings from its own flags (optim/registry.py: setting_dest of each field)."""
+    out = {}
+    for rule in registry.settings_rules():
+        fields = dataclasses.fields(rule.settings)
+        out[rule.name] = rule.settings(**{f.name: getattr(args, registry.setting_dest(rule, f.name)) for f in fields})
+    return out
+
+
 def optimizer_config(args) -> MatrixFSDPOptimizerConfig:
     """megatron-core's OptimizerConfig fields and ours from the flags of their names, and each update
     rule's settings from its own flags (optim/registry.py)."""
     dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
-    settings = registry.settings_from_args(args)
+    settings = rule_settings(args)
     return MatrixFSDPOptimizerConfig(
         **_same_named(MatrixFSDPOptimizerConfig, args, params_dtype=dtype, timers=None, rule_settings=settings)
     )

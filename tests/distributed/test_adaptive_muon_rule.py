@@ -25,7 +25,8 @@ METHODS = {
 HIDDEN = ("linear_qkv.weight", "linear_proj.weight", "linear_fc1.weight", "linear_fc2.weight")
 DISTRIBUTED_TOLERANCE = {"adamuon": 1e-3, "normuon": 1e-5}
 """TP 2 distributed against TP 1: the largest Frobenius norm of a weight's difference relative to the weight's.
-Its Newton-Schulz sums the Gram matrix of the shards (muon_tp.py), not the whole matrix's products: 1.3e-6
+Its Newton-Schulz sums the Gram matrix of the shards (newton_schulz.py distributed_newton_schulz), not the whole
+matrix's products: 1.3e-6
 for normuon (as for Muon); adamuon divides each entry of O by its own RMS over steps, which magnifies the
 difference of entries near zero (measured 9.2e-5, one entry 8.7e-4 off)."""
 

@@ -99,17 +99,18 @@ def test_even_rule_set_and_bounds():
     from megatron_mfsdp.optim import registry
     from megatron_mfsdp.placement import ParamSpec, UnitSpec, plan_units
 
-    rules = registry.rule_set((), None, "even").extended(gpt_param_roles())
+    rules = registry.rule_set((), optimizer_config(), "even").extended(gpt_param_roles())
     assert rules.classify("decoder.layers.0.mlp.linear_fc1.weight", (128, 64)) == "matrix"
     assert rules.storage("matrix") == "slice" and rules.storage("muon") == "slice"
     assert registry.rule_for("matrix", "slice", optimizer_config()).name == "muon_even"
     assert registry.rule_for("matrix", "whole", optimizer_config()).name == "muon"
     assert rules.classify("decoder.layers.0.mlp.linear_fc1.bias", (128,)) == "elementwise"
     assert registry.rule_for("elementwise", "slice", optimizer_config()).name == "adamw"
-    owner = registry.rule_set().extended(gpt_param_roles())
+    assert rules.update_rule("matrix") == "muon_even" and rules.update_rule("elementwise") == "adamw"
+    owner = registry.rule_set((), optimizer_config()).extended(gpt_param_roles())
     assert owner.classify("x.linear_fc1.weight", (4, 4)) == "matrix" and owner.storage("matrix") == "whole"
     with pytest.raises(ValueError, match="--mfsdp-layout"):
-        registry.rule_set([], None, "zero3")
+        registry.rule_set([], optimizer_config(), "zero3")
     specs = [ParamSpec("a", (5, 7), "muon_even", "slice"), ParamSpec("b", (3,), "adamw", "slice")]
     layout = plan_units([UnitSpec("u", specs)], 3).units[0]
     assert layout.tail_bounds == [0, 13, 26, 38]

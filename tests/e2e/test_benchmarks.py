@@ -125,9 +125,10 @@ def test_scaling_model_quick(tmp_path):
 
 
 def test_newton_schulz_kernel_benchmarks_run():
-    """bench_ns_kernels.py prints a ratio per kernel and dtype; bench_batched_ns.py runs (its
-    config once lacked --muon-ns-algorithm and nothing ran it). Small shapes: the figures are the
-    closing notes' (hidden 512); at 256 the symmetric products do run."""
+    """bench_ns_kernels.py prints a ratio per kernel and dtype; bench_optimizer_step.py --batched prints a
+    batched-against-loop line per rule with a batched hook, each within its tolerance of the loop. Small
+    shapes: the figures are the closing notes' (hidden 512; 64 matrices of 512 x 1408); at 256 the
+    symmetric products do run."""
     out = _run("bench_ns_kernels.py", "--hidden", "256", "--layers", "1", "--rounds", "1")
     for dtype in ("fp32", "bf16"):
         ratios = re.search(rf"^RESULT dtype={dtype} standard_over: (.*)$", out, re.M)
@@ -136,8 +137,10 @@ def test_newton_schulz_kernel_benchmarks_run():
         assert names == ["standard+sym", "gram", "gram+sym", "auto"]
     bare = re.search(r"^RESULT dtype=bf16 ns_step_over_bare_products=([\d.]+) ", out, re.M)
     assert bare and float(bare.group(1)) > 0, out[-2000:]
-    out = _run("bench_batched_ns.py", "--layers", "1", "--hidden", "64", "--repeats", "1")
-    assert out.count("bitwise equal") == 3, out
+    out = _run("bench_optimizer_step.py", "--batched", "--batched-count", "3", "--batched-shape", "32", "80")
+    lines = dict(re.findall(r"^BATCHED rule=(\S+) .* diff_over_step=(\S+) bitwise=\w+$", out, re.M))
+    assert set(lines) == {"muon", "adaptive_muon:adamuon", "adaptive_muon:normuon", "soap"}, out[-2000:]
+    assert all(float(v) <= 1e-3 for v in lines.values()), lines
 
 
 def test_link_bytes_benchmark_critical_path_near_the_mean_rank():

@@ -13,6 +13,9 @@ import pytest
 import torch
 
 from megatron_mfsdp.optim import adaptive_muon as am
+from megatron_mfsdp.optim.matrix import step_matrix_
+from megatron_mfsdp.optim.muon import STATE, MuonHyper
+from megatron_mfsdp.optim.newton_schulz import NewtonSchulz
 from megatron_mfsdp.optim.rule import CostContext, OwnedPiece
 
 SIMPLE = (3.4445, -4.7750, 2.0315)  # Jordan's constants: our "simple", pytorch_optimizer's "original"
@@ -20,11 +23,11 @@ QKV_ROWS = (4, 2, 2)  # rows per query group of Q, K and V: 4 groups -> a (32, 2
 
 
 def _cfg(method="adamuon", *, prescale=False, nesterov=True, ns_dtype=torch.float32, lr=0.02, wd=0.1, **kw):
-    muon = dict(momentum=0.9, ns_steps=5, coefficient_type="simple", ns_algorithm="standard")
-    muon.update(scale_mode="spectral", extra_scale_factor=0.2)
-    muon.update(kw)
+    """(the step's hyper, lr, weight decay): Muon's momentum 0.9, Jordan's constants, spectral x 0.2."""
+    muon = dict(scale_mode="spectral", extra_scale_factor=0.2) | kw
+    ns = NewtonSchulz(5, "simple", ns_dtype, "standard")
     settings = am.AdaptiveMuonSettings(method, 0.95, 1e-8, prescale)
-    return am.AdaptiveMuonStep(lr, wd, nesterov=nesterov, ns_dtype=ns_dtype, settings=settings, **muon)
+    return am.AdaptiveMuonHyper(MuonHyper(0.9, nesterov, ns, **muon), settings), lr, wd
 
 
 def _data(shape, seed, steps=3):
@@ -34,11 +37,13 @@ def _data(shape, seed, steps=3):
 
 def _ours(param, grads, cfg, split_rows=None):
     """Our step, returning the parameters after each step and the final state."""
-    param, momentum = param.clone(), torch.zeros_like(param)
-    moment2 = torch.zeros(am.moment2_shape(param.shape, cfg.settings.adaptive_muon_moment2_method))
+    (hyper, lr, wd), param = cfg, param.clone()
+    method = hyper.settings.adaptive_muon_moment2_method
+    moment2 = torch.zeros(am.moment2_shape(param.shape, method))
+    state = {STATE: torch.zeros_like(param), am.ADAMUON_STATE if hyper.adamuon else am.NORMUON_STATE: moment2}
     out = []
-    for g in grads:
-        am.adaptive_muon_step_(param, g.clone(), momentum, moment2, split_rows, cfg)
+    for step, g in enumerate(grads, 1):
+        step_matrix_(am.MATH, param, g.clone(), state, hyper, step, lr=lr, weight_decay=wd, split_rows=split_rows)
         out.append(param.clone())
     return out, moment2
 
@@ -252,23 +257,23 @@ def test_state_cost_and_what_the_rule_refuses():
     normuon = {"adaptive_muon": am.AdaptiveMuonSettings("normuon")}
     cfg = MatrixFSDPOptimizerConfig(optimizer="adaptive_muon", rule_settings=normuon, muon_tp_mode="duplicated")
     assert am.RULE.state_over_tp(cfg) and not am.RULE.state_over_tp(MatrixFSDPOptimizerConfig(optimizer="muon"))
-    adamuon_state = am.init_state(_piece((40, 24)), am.AdaptiveMuonSettings())
+    adamuon_state = am.RULE.init_state(_piece((40, 24)), am.AdaptiveMuonSettings())
     assert {k: tuple(v.shape) for k, v in adamuon_state.items()} == {
         "momentum_buffer": (40, 24),
         am.ADAMUON_STATE: (40, 24),
     }
-    assert tuple(am.init_state(_piece((24, 40)), normuon["adaptive_muon"])[am.NORMUON_STATE].shape) == (1, 40)
+    assert tuple(am.RULE.init_state(_piece((24, 40)), normuon["adaptive_muon"])[am.NORMUON_STATE].shape) == (1, 40)
     over_tp = _piece((20, 24), partition_dim=0, tp_size=2, state_over_tp=True)
-    assert tuple(am.init_state(over_tp, normuon["adaptive_muon"])[am.NORMUON_STATE].shape) == (40, 1)
+    assert tuple(am.RULE.init_state(over_tp, normuon["adaptive_muon"])[am.NORMUON_STATE].shape) == (40, 1)
     assert am.RULE.resharded(am.ADAMUON_STATE) and not am.RULE.resharded(am.NORMUON_STATE)
     context = CostContext(cfg, on_cpu=True)
     assert am.RULE.cost((40, 24), None, context) == rule_cost((40, 24), None, context) + 6 * 40 * 24
     assert am.RULE.resident_bytes((40, 24), context) == 4 * (40 * 24 + 40)
     with pytest.raises(ValueError, match="--mfsdp-split-qkv-owners"):
-        am.check(_piece((16, 24), split_rows=(4,)), cfg)
+        am.RULE.check(_piece((16, 24), split_rows=(4,)), cfg)
     with pytest.raises(ValueError, match="--muon-tp-mode duplicated"):
-        am.check(_piece((16, 24), split_rows=QKV_ROWS, partition_dim=1, tp_size=2), cfg)
-    am.check(_piece((32, 24), split_rows=QKV_ROWS, partition_dim=0, tp_size=2), cfg)  # column-parallel QKV: fine
+        am.RULE.check(_piece((16, 24), split_rows=QKV_ROWS, partition_dim=1, tp_size=2), cfg)
+    am.RULE.check(_piece((32, 24), split_rows=QKV_ROWS, partition_dim=0, tp_size=2), cfg)  # column-parallel QKV: fine
 
 
 def test_elementwise_parameters_take_muon_scalar_optimizer():

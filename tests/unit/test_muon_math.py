@@ -6,22 +6,30 @@ import pytest
 import torch
 
 from megatron_mfsdp.optim.muon import (
-    NS_COEFFICIENTS,
     SCALE_MODES,
+    MuonHyper,
     merge_qkv,
-    muon_orthogonalized_update,
     muon_step_,
-    newton_schulz,
-    ns_coefficients_for,
+    orthogonalized,
     split_qkv,
     update_scale,
 )
+from megatron_mfsdp.optim.newton_schulz import NS_COEFFICIENTS, NewtonSchulz, newton_schulz, ns_coefficients_for
 
 # torch.optim.Muon adjust_lr_fn -> our (scale_mode, extra_scale_factor)
 ADJUST_MODES = {
     "match_rms_adamw": ("spectral", 0.2),
     "original": ("shape_scaling", 1.0),
 }
+
+
+def _hyper(coefficients="simple", dtype=torch.float32, scale_mode="spectral", extra=0.2, momentum=0.95, nesterov=False):
+    return MuonHyper(momentum, nesterov, NewtonSchulz(5, coefficients, dtype, "standard"), scale_mode, extra)
+
+
+def muon_orthogonalized_update(g, hyper: MuonHyper, split=None) -> torch.Tensor:
+    """The orthogonalized update of ``g``, each block (the whole, or Q, K, V apart) times its scale."""
+    return orthogonalized(g, split, hyper.ns, hyper.scale)
 
 
 def _singular_values(x: torch.Tensor) -> torch.Tensor:
@@ -45,19 +53,8 @@ def test_step_matches_torch_muon(shape, nesterov, adjust):
     for g in grads:
         ref.grad = g.clone()
         opt.step()
-        muon_step_(
-            param,
-            g.clone(),
-            buf,
-            lr=lr,
-            weight_decay=wd,
-            momentum=mom,
-            nesterov=nesterov,
-            coefficient_type="simple",
-            ns_dtype=torch.bfloat16,
-            scale_mode=scale_mode,
-            extra_scale_factor=extra,
-        )
+        hyper = _hyper("simple", torch.bfloat16, scale_mode, extra, mom, nesterov)
+        muon_step_(param, g.clone(), buf, hyper, lr=lr, weight_decay=wd)
     assert not torch.equal(param, init)
     # Same op order as torch -> bitwise identical params and momentum buffers.
     assert torch.equal(param, ref.detach())
@@ -162,14 +159,7 @@ def test_scale_modes():
 def test_spectral_scale_gives_rms_match():
     """spectral*0.2 on a ~orthogonal update gives RMS ~0.2 (the AdamW-matching intent)."""
     g = torch.randn(64, 256, generator=torch.Generator().manual_seed(4))
-    u = muon_orthogonalized_update(
-        g,
-        ns_steps=5,
-        coefficient_type="quintic",
-        ns_dtype=torch.float32,
-        scale_mode="spectral",
-        extra_scale_factor=0.2,
-    )
+    u = muon_orthogonalized_update(g, _hyper("quintic", torch.float32, "spectral", 0.2))
     # ||O||_F^2 ~ min(m, n) = 64, so RMS(O) ~ 1/16 and 0.2 * sqrt(256) * RMS(O) ~ 0.2.
     rms = u.pow(2).mean().sqrt().item()
     assert rms == pytest.approx(0.2, rel=0.15)
@@ -202,10 +192,9 @@ def test_qkv_blockwise_orthogonalization():
     groups, split, cols = 2, (16, 8, 8), 24
     rows = groups * sum(split)
     g = torch.randn(rows, cols, generator=torch.Generator().manual_seed(5))
-    kw = dict(ns_steps=5, coefficient_type="quintic", ns_dtype=torch.float32, scale_mode="spectral")
-    kw["extra_scale_factor"] = 1.0
-    whole = muon_orthogonalized_update(g, **kw)
-    blocked = muon_orthogonalized_update(g, qkv_split_shapes=split, **kw)
+    hyper = _hyper("quintic", torch.float32, "spectral", 1.0)
+    whole = muon_orthogonalized_update(g, hyper)
+    blocked = muon_orthogonalized_update(g, hyper, split)
     assert blocked.shape == g.shape and blocked.dtype == torch.float32
     assert not torch.allclose(whole, blocked, atol=1e-2)
     # Each block equals its own NS scaled by its own shape.
@@ -221,25 +210,8 @@ def test_step_with_qkv_split_and_weight_decay():
     gen = torch.Generator().manual_seed(6)
     p0, g = torch.randn(rows, cols, generator=gen), torch.randn(rows, cols, generator=gen)
     p, buf = p0.clone(), torch.zeros(rows, cols)
-    muon_step_(
-        p,
-        g,
-        buf,
-        lr=0.1,
-        weight_decay=0.5,
-        momentum=0.9,
-        nesterov=False,
-        ns_dtype=torch.float32,
-        qkv_split_shapes=split,
-    )
+    hyper = _hyper("simple", torch.float32, "spectral", 0.2, momentum=0.9)
+    muon_step_(p, g, buf, hyper, lr=0.1, weight_decay=0.5, split_rows=split)
     assert torch.allclose(buf, 0.1 * g)
-    upd = muon_orthogonalized_update(
-        buf,
-        ns_steps=5,
-        coefficient_type="simple",
-        ns_dtype=torch.float32,
-        scale_mode="spectral",
-        extra_scale_factor=0.2,
-        qkv_split_shapes=split,
-    )
+    upd = muon_orthogonalized_update(buf, hyper, split)
     assert torch.allclose(p, 0.95 * p0 - 0.1 * upd, atol=1e-6)

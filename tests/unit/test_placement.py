@@ -11,11 +11,11 @@ from megatron_mfsdp.placement.bounds import plan_bounds
 from megatron_mfsdp.runtime.wrapper import unit_specs
 from megatron_mfsdp.testing import init_megatron, optimizer_config, run_workers, tiny_gpt_config
 
-GPT_RULES = registry.rule_set(gpt_param_roles())
+GPT_RULES = registry.rule_set(gpt_param_roles(), optimizer_config())
 
 
 def classify(name, shape, user_rules=()):
-    return registry.rule_set(list(user_rules)).extended(gpt_param_roles()).classify(name, shape)
+    return registry.rule_set(list(user_rules), optimizer_config()).extended(gpt_param_roles()).classify(name, shape)
 
 
 def _gpt_specs_worker(rank, world_size, layers, hidden, ffn, heads, groups, vocab):

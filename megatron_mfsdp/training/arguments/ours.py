@@ -44,26 +44,29 @@ class _Deprecated(argparse.Action):
 
 
 def add_muon_args(p: argparse.ArgumentParser) -> None:
-    """megatron-core's Muon flags (core_v0.16.1 names; --muon-coefficient-type and --muon-nesterov from HEAD)."""
+    """megatron-core's Muon flags: its OptimizerConfig muon_* fields (core_v0.16.1 names; --muon-nesterov
+    from HEAD). Muon's own settings (--muon-coefficient-type, --muon-ns-dtype, --muon-ns-algorithm) are a
+    rule's flags (add_rule_args, optim/muon.py MuonSettings)."""
     from ...config import MatrixFSDPOptimizerConfig as O
+    from ...optim.matrix import TP_MODES
+    from ...optim.muon import SCALE_MODES
 
     g = p.add_argument_group("Muon (megatron-core's names and Megatron-LM's defaults)")
     g.add_argument("--muon-momentum", type=probability, default=0.9)
     g.add_argument("--muon-no-split-qkv", dest="muon_split_qkv", action="store_false")
     g.add_argument("--muon-use-nesterov", "--muon-nesterov", dest="muon_use_nesterov", action="store_true")
-    g.add_argument("--muon-scale-mode", default="spectral", choices=config_choices(O, "muon_scale_mode"))
+    g.add_argument("--muon-scale-mode", default="spectral", choices=list(SCALE_MODES))
     g.add_argument(
         "--muon-fp32-matmul-prec",
         default="medium",
         choices=["low", "medium", "high"],
         help="Newton-Schulz precision: medium/low iterate in bf16, high in fp32 (see --muon-ns-dtype)",
     )
-    g.add_argument("--muon-coefficient-type", default="quintic", choices=config_choices(O, "muon_coefficient_type"))
     g.add_argument("--muon-num-ns-steps", type=positive_int, default=5)
     g.add_argument(
         "--muon-tp-mode",
         default="blockwise",
-        choices=config_choices(O, "muon_tp_mode"),
+        choices=list(TP_MODES),
         help="blockwise: Newton-Schulz per TP shard, no communication (depends on the TP size); "
         "distributed: Gram matrices all-reduced over TP (exact); duplicated: all-gather (exact)",
     )
@@ -75,23 +78,6 @@ def add_muon_args(p: argparse.ArgumentParser) -> None:
         help="the rule of the elementwise parameters (embeddings, biases, norms) with --optimizer muon or "
         "adaptive_muon (Megatron-LM HEAD): adam (AdamW) or lion",
     )
-    g.add_argument(
-        "--muon-ns-dtype",
-        default=None,
-        choices=config_choices(O, "muon_ns_dtype"),
-        help="ours: the Newton-Schulz dtype outright; default from --muon-fp32-matmul-prec when given, "
-        "else bf16 on CUDA and on CPUs with fast bf16 (AMX/AVX512-BF16), fp32 on other CPUs",
-    )
-    g.add_argument(
-        "--muon-ns-algorithm",
-        default="auto",
-        choices=config_choices(O, "muon_ns_algorithm"),
-        help="ours: standard iterates X (torch.optim.Muon's op order); gram iterates the small Gram "
-        "matrix, the same polynomial in fewer flops when one side is > 1.5x the other (less stable in bf16); "
-        "auto: gram per matrix in fp32 where it needs fewer flops, standard in bf16 and with "
-        "--muon-tp-mode distributed; on a CPU auto and gram compute the symmetric products "
-        "(X X^T, the Gram polynomials) by block rows, 0.625 of their multiply-adds",
-    )
     _add_deprecated_muon_args(g)
 
 
@@ -101,9 +87,7 @@ def add_rule_args(p: argparse.ArgumentParser) -> None:
     default and help from the field. A new rule's flags need nothing here."""
     from ...optim import registry
 
-    for rule in registry.RULES.values():
-        if rule.settings is None:
-            continue
+    for rule in registry.settings_rules():
         # Ours, titled so (Megatron-LM's own flags among them, e.g. --lion-beta1, move to its groups: flag_help.regroup)
         g = p.add_argument_group(f"MatrixFSDP: {rule.name} ({(rule.settings.__doc__ or '').strip().splitlines()[0]})")
         for f in dataclasses.fields(rule.settings):
@@ -112,7 +96,7 @@ def add_rule_args(p: argparse.ArgumentParser) -> None:
 
 def _add_setting(g, f, dest: str) -> None:
     flag, meta = f.metadata.get("flag", "--" + dest.replace("_", "-")), f.metadata
-    kwargs = dict(dest=dest, default=f.default, help=meta.get("help"))
+    kwargs = dict(dest=dest, default=meta.get("flag_default", f.default), help=meta.get("help"))
     if isinstance(f.default, bool):
         g.add_argument(flag, action=argparse.BooleanOptionalAction, **kwargs)
     elif "choices" in meta:
@@ -146,6 +130,7 @@ def _add_deprecated_muon_args(g) -> None:
         action=_Deprecated,
         value_map={"jordan": "simple", "quintic": "polar_express_nanogpt"},
         new_flag="use --muon-coefficient-type (jordan is simple; our old quintic is polar_express_nanogpt)",
+        default=argparse.SUPPRESS,  # the dest is Muon's setting (add_rule_args): its flag sets the default
         help=argparse.SUPPRESS,
     )
     g.add_argument(
