@@ -181,28 +181,28 @@ def load_model_shard(root: str, step: int | None = None, tp: int = 1) -> tuple[d
     common = dist_checkpointing.load_common_state_dict(folder)
     if "args" not in common:
         raise CheckpointError(f"{folder}/common.pt: no 'args' (the model settings travel there)")
-    args = dict(common["args"] if isinstance(common["args"], dict) else vars(common["args"]))
-    check_tensor_parallel(args, tp, dist.get_world_size())
+    stored = dict(common["args"] if isinstance(common["args"], dict) else vars(common["args"]))
+    check_tensor_parallel(stored, tp, dist.get_world_size())
     initialize_model_parallel(tp, 1, create_gloo_process_groups=False)
-    model = _model_at_tp(args, tp)
+    model = _model_at_tp(stored, tp)
     sharded = {k: v for k, v in model.sharded_state_dict(prefix="").items() if not k.endswith(EXTRA_STATE)}
     with cuda_on_cpu():
         loaded = dist_checkpointing.load({"model": sharded}, folder)
     missing = [k for k in model.load_state_dict(loaded["model"], strict=False).missing_keys if EXTRA_STATE not in k]
     if missing:
         raise CheckpointError(f"{folder}: no tensors for {missing}")
-    return args, model
+    return stored, model
 
 
-def check_tensor_parallel(args: dict, tp: int, world_size: int) -> None:
+def check_tensor_parallel(stored: dict, tp: int, world_size: int) -> None:
     """Refuse a --tensor-model-parallel-size the model or the world cannot be split by, naming why."""
-    groups = args.get("num_query_groups") if args.get("group_query_attention") else None
+    groups = stored.get("num_query_groups") if stored.get("group_query_attention") else None
     sizes = {
         "the world size": world_size,
-        "num_attention_heads": args.get("num_attention_heads"),
+        "num_attention_heads": stored.get("num_attention_heads"),
         "num_query_groups": groups,
-        "ffn_hidden_size": args.get("ffn_hidden_size"),
-        "padded_vocab_size": args.get("padded_vocab_size"),
+        "ffn_hidden_size": stored.get("ffn_hidden_size"),
+        "padded_vocab_size": stored.get("padded_vocab_size"),
     }
     if tp < 1:
         raise ValueError(f"--tensor-model-parallel-size must be >= 1, got {tp}")
@@ -211,16 +211,16 @@ def check_tensor_parallel(args: dict, tp: int, world_size: int) -> None:
             raise ValueError(f"--tensor-model-parallel-size {tp} does not divide {what} ({size})")
 
 
-def _model_at_tp(args: dict, tp: int) -> torch.nn.Module:
+def _model_at_tp(stored: dict, tp: int) -> torch.nn.Module:
     """The stored model's GPTModel at TP = ``tp`` (local layer spec, stored dtype, no init)."""
     from ...checkpoint.model_files import WHOLE_MODEL_OVERRIDES
     from .build import build_gpt_model
-    from .config import gpt_model_kwargs, transformer_config_from_args
+    from .config import gpt_model_kwargs, transformer_config
     from .hf import MEGATRON_DEFAULTS
 
-    built = {**MEGATRON_DEFAULTS, **args, **WHOLE_MODEL_OVERRIDES, "tensor_model_parallel_size": tp}
+    built = {**MEGATRON_DEFAULTS, **stored, **WHOLE_MODEL_OVERRIDES, "tensor_model_parallel_size": tp}
     return build_gpt_model(
-        transformer_config_from_args(built),
+        transformer_config(built),
         vocab_size=built["padded_vocab_size"],
         max_sequence_length=built["max_position_embeddings"],
         use_transformer_engine=False,
