@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from . import dist as torch_dist
-from . import files, integrity, local, resume
+from . import files, integrity, local, progress_log, resume
 from . import state as ckpt_state
 from .settings import CheckpointSettings
 
@@ -173,9 +173,7 @@ def _publish(save_dir: str, iteration: int, tmp: str, fmt: str, entries: dict, r
     final, manifest = files.finish_save(save_dir, iteration, tmp, entries, fmt)
     if retire is not None and dist.get_rank() == 0 and files.retire(save_dir, previous, iteration, retire[0]):
         if retire[1]:
-            from ..training.progress import append
-
-            append(save_dir, f"Deleted checkpoint\tIteration: {previous}", barrier=False)
+            progress_log.append(save_dir, f"Deleted checkpoint\tIteration: {previous}", barrier=False)
     if manifest is not None:
         per_rank = integrity.rank_bytes(manifest["files"])
         rank, largest = max(per_rank.items(), key=lambda kv: (kv[1], -kv[0]))

@@ -10,6 +10,7 @@ here by one process at 1 x 1 x 1 (dist_checkpointing reshards), and what is writ
 layout.
 
 Tensors are exchanged under the names of the whole model's ``state_dict()`` (``models/gpt/hf.py``).
+``load_model_shard`` reads one TP shard of the same checkpoint for decoding (models/gpt/generate.py).
 """
 
 from __future__ import annotations
@@ -188,3 +189,47 @@ def write_model_checkpoint(root: str, stored, tensors: dict, iteration: int = 0)
     }
     entries = torch_dist.save_state_dict(state, tmp)
     return files.finish_save(root, iteration, tmp, entries, "torch_dist")[0]
+
+
+def load_model_shard(root: str, step: int | None = None, tp: int = 1) -> tuple[dict, torch.nn.Module]:
+    """(stored args, GPTModel at TP = ``tp`` x PP = 1 holding this rank's TP shard) of a torch_dist
+    checkpoint saved at any layout, for decoding (models/gpt/generate.py, tools/generate.py):
+    dist_checkpointing reads the pieces of this shard only (the keys are global, so it reshards).
+    The world size must be a multiple of ``tp``; the other factor is data parallel. Collective over
+    the world (a one-rank gloo group is made if none exists)."""
+    from megatron.core import dist_checkpointing
+
+    from ..groups import initialize_model_parallel
+
+    folder, _ = checkpoint_folder(root, step)
+    common = dist_checkpointing.load_common_state_dict(folder)
+    if "args" not in common:
+        raise CheckpointError(f"{folder}/common.pt: no 'args' (the model settings travel there)")
+    stored = dict(common["args"] if isinstance(common["args"], dict) else vars(common["args"]))
+    check_tensor_parallel(stored, tp, dist.get_world_size())
+    initialize_model_parallel(tp, 1, create_gloo_process_groups=False)
+    model = _stored_model(stored, tp)
+    sharded = {k: v for k, v in model.sharded_state_dict(prefix="").items() if not k.endswith(EXTRA_STATE)}
+    with cuda_on_cpu():
+        loaded = dist_checkpointing.load({"model": sharded}, folder)
+    missing = [k for k in model.load_state_dict(loaded["model"], strict=False).missing_keys if EXTRA_STATE not in k]
+    if missing:
+        raise CheckpointError(f"{folder}: no tensors for {missing}")
+    return stored, model
+
+
+def check_tensor_parallel(stored: dict, tp: int, world_size: int) -> None:
+    """Refuse a --tensor-model-parallel-size the stored model or the world cannot be split by, naming why."""
+    groups = stored.get("num_query_groups") if stored.get("group_query_attention") else None
+    sizes = {
+        "the world size": world_size,
+        "num_attention_heads": stored.get("num_attention_heads"),
+        "num_query_groups": groups,
+        "ffn_hidden_size": stored.get("ffn_hidden_size"),
+        "padded_vocab_size": stored.get("padded_vocab_size"),
+    }
+    if tp < 1:
+        raise ValueError(f"--tensor-model-parallel-size must be >= 1, got {tp}")
+    for what, size in sizes.items():
+        if size is not None and size % tp:
+            raise ValueError(f"--tensor-model-parallel-size {tp} does not divide {what} ({size})")
