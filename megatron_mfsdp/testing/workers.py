@@ -55,10 +55,10 @@ def _init(rank: int, world_size: int, port: int, threads: int) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
 
 
-def _run_task(rank: int, world_size: int, fn, args, out_dir: str) -> None:
+def _run_task(rank: int, world_size: int, fn, fn_args, out_dir: str) -> None:
     failed = False
     try:
-        result = fn(rank, world_size, *args)
+        result = fn(rank, world_size, *fn_args)
         torch.save(result, os.path.join(out_dir, f"result{rank}.pt"))
     except BaseException:
         failed = True
@@ -99,10 +99,10 @@ def _threads() -> int:
     return len(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else 0
 
 
-def _fresh_entry(rank, world_size, port, threads, fn, args, out_dir):
+def _fresh_entry(rank, world_size, port, threads, fn, fn_args, out_dir):
     _init(rank, world_size, port, threads)
     try:
-        _run_task(rank, world_size, fn, args, out_dir)
+        _run_task(rank, world_size, fn, fn_args, out_dir)
     finally:
         dist.destroy_process_group()
 
@@ -152,10 +152,10 @@ class WorkerPool:
     def alive(self) -> bool:
         return all(p.is_alive() for p in self.procs)
 
-    def run(self, fn: Callable, args: tuple, timeout: float) -> list:
+    def run(self, fn: Callable, fn_args: tuple, timeout: float) -> list:
         with tempfile.TemporaryDirectory() as out_dir:
             for q in self.tasks:
-                q.put((fn, args, out_dir))
+                q.put((fn, fn_args, out_dir))
             deadline = time.monotonic() + timeout
             while not all(os.path.exists(os.path.join(out_dir, f"done{r}")) for r in range(self.world_size)):
                 if time.monotonic() > deadline or not self.alive():
@@ -249,12 +249,12 @@ def run_workers(
     return pool.run(fn, args, timeout)
 
 
-def _run_fresh(world_size: int, fn: Callable, args: tuple, threads: int, timeout: float) -> list:
+def _run_fresh(world_size: int, fn: Callable, fn_args: tuple, threads: int, timeout: float) -> list:
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory() as out_dir:
         port = free_port()
         procs = [
-            ctx.Process(target=_fresh_entry, args=(r, world_size, port, threads, fn, args, out_dir))
+            ctx.Process(target=_fresh_entry, args=(r, world_size, port, threads, fn, fn_args, out_dir))
             for r in range(world_size)
         ]
         for p in procs:
