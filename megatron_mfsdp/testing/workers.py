@@ -49,7 +49,7 @@ def _init(rank: int, world_size: int, port: int, threads: int) -> None:
     torch.set_num_threads(threads)
     # A rank that torchrun launches starts its DataLoader workers by fork (Linux's default); a
     # spawned pool process would inherit "spawn", and each loader worker would import torch and
-    # megatron afresh (seconds each: 40 s of a 60 s scaled-down Megatron-LM script at 2 ranks).
+    # megatron afresh (seconds each; measured: benchmarks/results/startup.md).
     if "fork" in multiprocessing.get_all_start_methods():
         multiprocessing.set_start_method("fork", force=True)
     dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
@@ -216,8 +216,8 @@ def _release_groups(rank: int, world_size: int) -> None:
 
 def release_pool_groups() -> None:
     """Destroy every group but the world in each idle pool: the pools stay for the next test
-    module (starting 8 ranks costs 20 s here), and their idle gloo threads stop polling
-    (an idle 8-rank pool holding TP2 x PP2's groups took 16% of a core, the world alone 1.4%)."""
+    module (starting ranks costs seconds each), and their idle gloo threads stop polling (what an
+    idle pool costs: benchmarks/results/startup.md)."""
     for key, pool in list(_POOLS.items()):
         if pool.alive():
             try:
