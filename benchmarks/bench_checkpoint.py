@@ -68,18 +68,20 @@ def _round(args, job, iteration: int, hashed) -> dict:
     import torch.distributed as dist
 
     from megatron_mfsdp import checkpoint
+    from megatron_mfsdp.training.configs import checkpoint_settings_from_args
 
     groups, chunks, optimizer, scheduler = job
+    settings = checkpoint_settings_from_args(args)
     out = {}
     dist.barrier()
     before, start = hashed(), time.perf_counter()
-    checkpoint.save_checkpoint(args, iteration, chunks, optimizer, scheduler, (iteration, 0), groups)
+    checkpoint.save_checkpoint(settings, iteration, chunks, optimizer, scheduler, (iteration, 0), groups)
     out["save_return_s"] = time.perf_counter() - start
     checkpoint.finalize_async_save(blocking=True)
     out["save_s"], out["save_hashed"] = time.perf_counter() - start, hashed() - before
     dist.barrier()
     before, start = hashed(), time.perf_counter()
-    checkpoint.load_checkpoint(args, chunks, optimizer, scheduler, groups)
+    checkpoint.load_checkpoint(settings, chunks, optimizer, scheduler, groups)
     out["load_s"], out["load_hashed"] = time.perf_counter() - start, hashed() - before
     return out
 

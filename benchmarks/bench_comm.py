@@ -12,7 +12,7 @@ each waited for inside the grad hook, or ``+overlap``: started asynchronously an
 
 Per variant it prints the owner collectives per unit and micro-batch (counted with
 megatron_mfsdp.testing.count_collectives), the busiest rank's link bytes per unit operation (each
-call charged as NCCL's rings move it, testing/links.py), the median forward-backward iteration time
+call charged as NCCL's rings move it, runtime/call_log.py), the median forward-backward iteration time
 (maximum over ranks, timed iterations interleaved across variants), and the ratio to ``rank``; then,
 for a tied and an untied model, the critical path per phase against ZeRO-3's bytes per rank. The
 rank-order variants' reduced gradients are compared bitwise, ring's within rounding.

@@ -8,7 +8,7 @@ the quick start's tiny GPT (4 layers, hidden 128) and --global-batch-size W x 4 
 rank), and charges every owner collective of the last iteration. The unit operations come from each
 rank's ``SegmentComm.log`` (one record per gather or reduction, charged where the calls are made);
 on a checkout whose comm keeps no log it falls back to aligning the ranks' torch.distributed calls
-(every rank makes the same sequence there) and charging each one (testing/links.py).
+(every rank makes the same sequence there) and charging each one (runtime/call_log.py).
 
     .venv/bin/python benchmarks/bench_link_bytes.py                       # W = 8, both reduce orders
     .venv/bin/python benchmarks/bench_link_bytes.py --world 4 --orders rank

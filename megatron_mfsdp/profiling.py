@@ -35,10 +35,9 @@ def _use_nvtx() -> bool:
 class profile_range:  # lower case: used like a function, ``with profile_range(name):``
     """``with profile_range(name):`` marks a span for nsys and the PyTorch profiler.
 
-    Cheap when no profiler records, so it can sit on every collective: 0.33 us a call on this
-    project's CPU machine with no profiler (0.5 us with GATHER.format(unit)); on CUDA add one
-    NVTX push/pop pair (not measured here, no GPU). record_function alone costs 5.3 us a call
-    even with no profiler, so it is entered only while one records (then ~7 us a range).
+    Cheap when no profiler records, so it can sit on every collective (on CUDA add one NVTX
+    push/pop pair). record_function costs several times more even with no profiler, so it is
+    entered only while one records (figures: benchmarks/results/cpu_costs.md).
     Under emit_nvtx (--profile's nsys mode) record_function would emit NVTX itself, so then
     only the explicit NVTX range opens (no duplicate ranges in nsys).
     """

@@ -132,8 +132,7 @@ def main(argv=None) -> int:
     import torch
     import torch.distributed as dist
 
-    from megatron_mfsdp.checkpoint.model_files import ensure_process_group
-    from megatron_mfsdp.models.gpt.generate import load_model_shard
+    from megatron_mfsdp.checkpoint.model_files import ensure_process_group, load_model_shard
 
     owns_process_group = ensure_process_group()
     try:

@@ -15,7 +15,7 @@ It prints the plan table training prints at start-up (owned bytes and Newton-Sch
 DP rank, the max/mean line) and the lower bounds on max/mean that no owner assignment can
 beat. With --traffic it also drives units of the plan through every DP rank's own
 SegmentComm in this one process (torch's fake process-group backend, shapes only:
-megatron_mfsdp/testing/at_scale.py) and prints per unit the calls of a gather and a
+megatron_mfsdp/runtime/at_scale.py) and prints per unit the calls of a gather and a
 reduction, the busiest rank's bytes against ZeRO-3's bytes per rank, and the largest buffer.
 Owners are planned over DP / --mfsdp-replicate-size ranks, as at start-up. Parameter shapes are
 megatron-core's TP-local ones (local layer spec, one pipeline stage), computed from the flags
@@ -225,8 +225,8 @@ def traffic(args, plan) -> tuple[str, list]:
     in the reduce order a GPU cluster runs (--mfsdp-reduce-order, auto: ring on NCCL)."""
     import torch
 
+    from megatron_mfsdp.runtime.at_scale import simulate
     from megatron_mfsdp.runtime.comm import resolve_reduce_order
-    from megatron_mfsdp.testing.at_scale import simulate
 
     n, count = args.traffic_units, len(plan.units)
     units = list(range(count)) if n <= 0 or n >= count else list(range(n - 1)) + [count - 1]

@@ -95,23 +95,23 @@ class Loaded:
     iteration: int = 0
 
 
-def tokenizer_from_args(args: dict):
+def tokenizer_from_args(stored: dict):
     """The training tokenizer a checkpoint's stored --tokenizer-* flags describe (data/tokenizers.py)."""
     from ..data.datasets import build_tokenizer
 
-    if not args.get("tokenizer_type"):
+    if not stored.get("tokenizer_type"):
         raise hf.ConversionError("the checkpoint's args have no tokenizer_type (--tokenizer-type)")
     return build_tokenizer(
-        args["tokenizer_type"],
-        args.get("tokenizer_model"),
-        args.get("vocab_size"),
-        vocab_file=args.get("vocab_file"),
-        merge_file=args.get("merge_file"),
-        vocab_extra_ids=args.get("vocab_extra_ids") or 0,
-        tokenizer_special_tokens=args.get("tokenizer_special_tokens"),
-        tiktoken_pattern=args.get("tiktoken_pattern"),
-        tiktoken_num_special_tokens=args.get("tiktoken_num_special_tokens") or 1000,
-        trust_remote_code=bool(args.get("trust_remote_code")),
+        stored["tokenizer_type"],
+        stored.get("tokenizer_model"),
+        stored.get("vocab_size"),
+        vocab_file=stored.get("vocab_file"),
+        merge_file=stored.get("merge_file"),
+        vocab_extra_ids=stored.get("vocab_extra_ids") or 0,
+        tokenizer_special_tokens=stored.get("tokenizer_special_tokens"),
+        tiktoken_pattern=stored.get("tiktoken_pattern"),
+        tiktoken_num_special_tokens=stored.get("tiktoken_num_special_tokens") or 1000,
+        trust_remote_code=bool(stored.get("trust_remote_code")),
     )
 
 
@@ -141,17 +141,17 @@ def load_hf(load_dir: str, base_args: dict | None = None, make_vocab_size_divisi
     return Loaded(args, tensors, load_dir if has_tokenizer else None)
 
 
-def true_vocab_size(args: dict, given: int | None = None) -> int:
+def true_vocab_size(stored: dict, given: int | None = None) -> int:
     """The embedding rows that are tokens (Megatron-LM pads the rest): --true-vocab-size, else the
     stored --vocab-size (a converted Hugging Face model's, TikTokenizer's), else the size of the
     tokenizer the stored flags build. NullTokenizer's --vocab-size excludes its eod, so it is
     asked for its size (vocab_size + 1, as Megatron-LM's _NullTokenizer)."""
     if given is not None:
         return given
-    if args.get("vocab_size") and args.get("tokenizer_type") != "NullTokenizer":
-        return int(args["vocab_size"])
+    if stored.get("vocab_size") and stored.get("tokenizer_type") != "NullTokenizer":
+        return int(stored["vocab_size"])
     try:
-        return tokenizer_from_args(args).vocab_size
+        return tokenizer_from_args(stored).vocab_size
     except Exception as err:  # the tokenizer files may be gone; say what to pass instead
         raise hf.ConversionError(
             f"cannot tell the unpadded vocabulary size: the stored tokenizer flags do not build one ({err}); "
@@ -202,36 +202,36 @@ def save_hf(loaded: Loaded, save_dir: str, keep_vocab_padding: bool = False) -> 
     return copy_tokenizer_files(loaded.tokenizer_dir, save_dir) if loaded.tokenizer_dir else []
 
 
-def check_layout(args: dict, tp: int, pp: int) -> None:
+def check_layout(stored: dict, tp: int, pp: int) -> None:
     """Refuse a target layout megatron-core cannot build for this model, naming the flag."""
     for what, count in (
-        ("num_attention_heads", args["num_attention_heads"]),
-        ("num_query_groups", args["num_query_groups"] if args.get("group_query_attention") else None),
-        ("ffn_hidden_size", args["ffn_hidden_size"]),
+        ("num_attention_heads", stored["num_attention_heads"]),
+        ("num_query_groups", stored["num_query_groups"] if stored.get("group_query_attention") else None),
+        ("ffn_hidden_size", stored["ffn_hidden_size"]),
     ):
         if count is not None and count % tp:
             raise hf.ConversionError(f"--target-tensor-parallel-size {tp} does not divide {what}={count}")
-    if args["num_layers"] % pp:
+    if stored["num_layers"] % pp:
         raise hf.ConversionError(
-            f"--target-pipeline-parallel-size {pp} does not divide num_layers={args['num_layers']}"
+            f"--target-pipeline-parallel-size {pp} does not divide num_layers={stored['num_layers']}"
         )
 
 
-def _repad_vocab(args: dict, tensors: dict, tp: int) -> dict:
+def _repad_vocab(stored: dict, tensors: dict, tp: int) -> dict:
     """Embedding and output rows padded as Megatron-LM pads them at TP=``tp`` (to a multiple of
     --make-vocab-size-divisible-by x TP, or of the divisor alone with
     --mfsdp-vocab-padding-independent-of-tp); padding rows are zeros."""
     from ..data.datasets import padded_vocab_size
 
-    vocab = true_vocab_size(args)
-    divisor = args.get("make_vocab_size_divisible_by") or 128
-    rows = padded_vocab_size(vocab, divisor, 1 if args.get("mfsdp_vocab_padding_independent_of_tp") else tp)
+    vocab = true_vocab_size(stored)
+    divisor = stored.get("make_vocab_size_divisible_by") or 128
+    rows = padded_vocab_size(vocab, divisor, 1 if stored.get("mfsdp_vocab_padding_independent_of_tp") else tp)
     out = dict(tensors)
     for name in ("embedding.word_embeddings.weight", "output_layer.weight"):
         if name in out:
             t = out[name][:vocab]
             out[name] = torch.cat([t, t.new_zeros(rows - vocab, *t.shape[1:])])
-    args["padded_vocab_size"] = rows
+    stored["padded_vocab_size"] = rows
     return out
 
 

@@ -89,8 +89,8 @@ def sharded_optimizer(optimizer, model_sd: dict, megatron_ddp: bool, is_loading:
 def _in_process_results_queue() -> None:
     """megatron-core's filesystem writer hands its write results to the caller through a queue
     that its first save makes as a ``spawn`` Manager (filesystem_async._get_write_results_queue):
-    a server process that re-imports the main module, seconds per rank and 38 s measured with 8
-    ranks on 2 cores. Our saves put and take those results in this process (synchronously, or in
+    a server process per rank that re-imports the main module (its cost: benchmarks/results/
+    checkpoint.md). Our saves put and take those results in this process (synchronously, or in
     the async writer's thread), so a plain in-process queue serves; it is set before the first."""
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 

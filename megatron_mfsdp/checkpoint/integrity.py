@@ -8,11 +8,10 @@ and, at load, verifies its own share; no rank reads the whole checkpoint back.
   (at the same layout, what it reads) and a largest-first part of the rest; one small collective
   (``agree``) stops every rank, naming the files, before any tensor is read.
 
-The hash is xxHash's XXH3-128 (``xxhash`` on PyPI): 10.3-10.6 GB/s on one thread of this project's
-CPU machine against 1.2 GB/s for sha256, 0.9 for blake2b and 5.3 for blake3 (single-threaded;
-``benchmarks/bench_checkpoint.py --hash-speed``). It guards against damage (a flipped bit, a truncated or swapped file),
-not against an adversary. Manifests name their algorithm; version 1 (no ``manifest_version``,
-``sha256`` per file) still verifies."""
+The hash is xxHash's XXH3-128 (``xxhash`` on PyPI), the fastest candidate on one thread
+(benchmarks/results/checkpoint.md, ``benchmarks/bench_checkpoint.py --hash-speed``). It guards
+against damage (a flipped bit, a truncated or swapped file), not against an adversary. Manifests
+name their algorithm; version 1 (no ``manifest_version``, ``sha256`` per file) still verifies."""
 
 from __future__ import annotations
 

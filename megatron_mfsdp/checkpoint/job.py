@@ -11,8 +11,9 @@ import torch
 import torch.distributed as dist
 
 from . import dist as torch_dist
-from . import files, integrity, local, resume
+from . import files, integrity, local, progress_log, resume
 from . import state as ckpt_state
+from .settings import CheckpointSettings
 
 
 def _print0(message: str) -> None:
@@ -34,11 +35,17 @@ def _groups(chunks, groups):
 
 
 def common_state(
-    args, iteration: int, scheduler, consumed: tuple[int, int], megatron_ddp: bool, groups, flops: float = 0.0
+    settings: CheckpointSettings,
+    iteration: int,
+    scheduler,
+    consumed: tuple[int, int],
+    megatron_ddp: bool,
+    groups,
+    flops: float = 0.0,
 ) -> dict:
     """Megatron-LM's common keys (args, checkpoint_version, iteration, the floating-point operations so far,
     opt_param_scheduler) in plain values."""
-    args_plain = ckpt_state.args_dict(args)
+    args_plain = dict(settings.run_args)
     args_plain["consumed_train_samples"], args_plain["consumed_valid_samples"] = consumed
     out = {
         "args": args_plain,
@@ -47,21 +54,23 @@ def common_state(
         "num_floating_point_operations_so_far": flops,
         "mfsdp": {"layout": torch_dist.layout_sizes(groups), "megatron_ddp": megatron_ddp},
     }
-    if scheduler is not None and not getattr(args, "no_save_optim", False):
+    if scheduler is not None and not settings.no_save_optim:
         out["opt_param_scheduler"] = scheduler.state_dict()
     return out
 
 
-def build_state(args, iteration, chunks, optimizer, scheduler, consumed, groups=None, flops: float = 0.0) -> dict:
+def build_state(
+    settings: CheckpointSettings, iteration, chunks, optimizer, scheduler, consumed, groups=None, flops: float = 0.0
+) -> dict:
     """The whole sharded state dict of one rank for dist_checkpointing.save."""
     megatron_ddp = _is_megatron_ddp(chunks)
     groups = _groups(chunks, groups)
-    state = common_state(args, iteration, scheduler, consumed, megatron_ddp, groups, flops)
+    state = common_state(settings, iteration, scheduler, consumed, megatron_ddp, groups, flops)
     model = torch_dist.sharded_model(chunks, megatron_ddp)
     state.update(model)
-    if optimizer is not None and not getattr(args, "no_save_optim", False):
+    if optimizer is not None and not settings.no_save_optim:
         state["optimizer"] = torch_dist.sharded_optimizer(optimizer, model, megatron_ddp, is_loading=False)
-    if not getattr(args, "no_save_rng", False):
+    if not settings.no_save_rng:
         state[torch_dist.RNG_KEY] = torch_dist.rng_sharded(ckpt_state.rng_tensors(), groups)
     return state
 
@@ -149,10 +158,10 @@ def _begin(save_dir: str, iteration: int) -> str:
 _LAST_SAVE: dict = {}  # rank 0: the bytes each rank wrote and hashed at this process's last save
 
 
-def _retire_settings(args) -> tuple[int, bool] | None:
+def _retire_settings(settings: CheckpointSettings) -> tuple[int, bool] | None:
     """(--save-retain-interval, --log-progress), or None without --save-retain-interval."""
-    retain = getattr(args, "save_retain_interval", None)
-    return None if retain is None else (retain, bool(getattr(args, "log_progress", False)))
+    retain = settings.save_retain_interval
+    return None if retain is None else (retain, bool(settings.log_progress))
 
 
 def _publish(save_dir: str, iteration: int, tmp: str, fmt: str, entries: dict, retire=None) -> str:
@@ -164,9 +173,7 @@ def _publish(save_dir: str, iteration: int, tmp: str, fmt: str, entries: dict, r
     final, manifest = files.finish_save(save_dir, iteration, tmp, entries, fmt)
     if retire is not None and dist.get_rank() == 0 and files.retire(save_dir, previous, iteration, retire[0]):
         if retire[1]:
-            from ..training.progress import append
-
-            append(save_dir, f"Deleted checkpoint\tIteration: {previous}", barrier=False)
+            progress_log.append(save_dir, f"Deleted checkpoint\tIteration: {previous}", barrier=False)
     if manifest is not None:
         per_rank = integrity.rank_bytes(manifest["files"])
         rank, largest = max(per_rank.items(), key=lambda kv: (kv[1], -kv[0]))
@@ -184,36 +191,44 @@ def _shares() -> str:
 
 
 def save_checkpoint(
-    args, iteration: int, chunks, optimizer, scheduler, consumed=(0, 0), groups=None, flops: float = 0.0
+    settings: CheckpointSettings,
+    iteration: int,
+    chunks,
+    optimizer,
+    scheduler,
+    consumed=(0, 0),
+    groups=None,
+    flops: float = 0.0,
 ) -> str:
-    """Save into ``args.save`` in ``args.ckpt_format``; with ``args.async_save`` the write runs in the
-    background (finished by :func:`maybe_finalize_async_save`). Collective. Returns the final folder.
+    """Save into ``settings.save`` in ``settings.ckpt_format``, with ``settings.run_args`` as the
+    checkpoint's args; with ``settings.async_save`` the write runs in the background (finished by
+    :func:`finalize_async_save`). Collective. Returns the final folder.
     ``flops``: the floating-point operations of the training so far (Megatron-LM's
     num_floating_point_operations_so_far)."""
     finalize_async_save(blocking=True)
     start = time.perf_counter()
-    tmp = _begin(args.save, iteration)
-    if args.ckpt_format == "torch":
+    tmp = _begin(settings.save, iteration)
+    if settings.ckpt_format == "torch":
         entries, error = {}, None
         try:
             layout = torch_dist.layout_sizes(_groups(chunks, groups))
-            state = local.rank_state(args, iteration, chunks, optimizer, scheduler, consumed, layout, flops)
+            state = local.rank_state(settings, iteration, chunks, optimizer, scheduler, consumed, layout, flops)
             entries = local.save_rank_file(tmp, state)
         except Exception as err:  # noqa: BLE001 - agreed below: no rank may wait alone in the gather
             error = f"writing {tmp}: {err}"
         integrity.agree(error)
-        final = _publish(args.save, iteration, tmp, "torch", entries, _retire_settings(args))
+        final = _publish(settings.save, iteration, tmp, "torch", entries, _retire_settings(settings))
     else:
-        state = build_state(args, iteration, chunks, optimizer, scheduler, consumed, groups, flops)
-        if getattr(args, "async_save", False):
+        state = build_state(settings, iteration, chunks, optimizer, scheduler, consumed, groups, flops)
+        if settings.async_save:
             request = torch_dist.save_request(_host_snapshot(state), tmp)
-            _PENDING.append(_Pending(request, args.save, iteration, tmp, _retire_settings(args)))
+            _PENDING.append(_Pending(request, settings.save, iteration, tmp, _retire_settings(settings)))
             _PENDING[-1].returned_at = time.perf_counter()
-            return files.iteration_dir(args.save, iteration)
+            return files.iteration_dir(settings.save, iteration)
         entries = torch_dist.save_state_dict(state, tmp)
-        final = _publish(args.save, iteration, tmp, "torch_dist", entries, _retire_settings(args))
+        final = _publish(settings.save, iteration, tmp, "torch_dist", entries, _retire_settings(settings))
     _print0(
-        f"  successfully saved checkpoint from iteration {iteration:7d} to {args.save} "
+        f"  successfully saved checkpoint from iteration {iteration:7d} to {settings.save} "
         f"[ {time.perf_counter() - start:.2f} s, {_shares()} ]"
     )
     return final
@@ -251,22 +266,21 @@ def finalize_async_save(blocking: bool = False) -> int | None:
     return pending.iteration
 
 
-def _verified_folder(args, folder: str) -> dict:
+def _verified_folder(settings: CheckpointSettings, folder: str) -> dict:
     """Every rank checks its share of the files before anything is read (files.verify_collective);
     a failure on any rank stops every rank, naming the file. --no-verify-checkpoint-integrity
     reads the manifest only."""
-    verify = getattr(args, "verify_checkpoint_integrity", True)
     try:
-        return files.verify_collective(folder, foreign_ok=True, verify=verify)
+        return files.verify_collective(folder, foreign_ok=True, verify=settings.verify_checkpoint_integrity)
     except ValueError as err:
-        raise ValueError(f"--load {args.load}: {err}") from None
+        raise ValueError(f"--load {settings.load}: {err}") from None
 
 
-def _what_to_load(args, common: dict, groups) -> tuple[bool, bool]:
+def _what_to_load(settings: CheckpointSettings, common: dict, groups) -> tuple[bool, bool]:
     """(optimizer and scheduler, generator states), by Megatron-LM's flags; RNG states of another
     layout cannot be placed and are skipped with a notice, as Megatron-LM does."""
-    load_optim = not (args.finetune or args.no_load_optim) and "opt_param_scheduler" in common
-    load_rng = not (args.finetune or args.no_load_rng)
+    load_optim = not (settings.finetune or settings.no_load_optim) and "opt_param_scheduler" in common
+    load_rng = not (settings.finetune or settings.no_load_rng)
     saved_layout = common.get("mfsdp", {}).get("layout")  # Megatron-LM's own RNG states are objects: not read
     if load_rng and saved_layout != torch_dist.layout_sizes(groups):
         _print0(
@@ -277,16 +291,16 @@ def _what_to_load(args, common: dict, groups) -> tuple[bool, bool]:
     return load_optim, load_rng
 
 
-def _load_dist(args, folder: str, chunks, optimizer, scheduler, groups) -> dict:
+def _load_dist(settings: CheckpointSettings, folder: str, chunks, optimizer, scheduler, groups) -> dict:
     common = torch_dist.load_common(folder)
-    resume.check_same_model(args, common["args"], os.path.join(folder, "common.pt"))
-    load_optim, load_rng = _what_to_load(args, common, groups)
+    resume.check_same_model(settings.run_args, common["args"], os.path.join(folder, "common.pt"))
+    load_optim, load_rng = _what_to_load(settings, common, groups)
     if not load_optim and any(getattr(u, "codec", None) is not None for c in chunks for u in getattr(c, "units", [])):
         raise ValueError(
             f"--load {folder}: FP8 parameters take their weights from the fp32 masters; load the optimizer"
         )
     if load_optim and scheduler is not None:
-        resume.check_schedule(args, scheduler, common["opt_param_scheduler"], common["args"], folder)
+        resume.check_schedule(settings, scheduler, common["opt_param_scheduler"], common["args"], folder)
     megatron_ddp = _is_megatron_ddp(chunks)
     request = torch_dist.sharded_model(chunks, megatron_ddp)
     if load_optim:
@@ -294,7 +308,7 @@ def _load_dist(args, folder: str, chunks, optimizer, scheduler, groups) -> dict:
     rng = ckpt_state.rng_tensors()
     if load_rng:
         request[torch_dist.RNG_KEY] = torch_dist.rng_sharded(rng, groups)
-    loaded = torch_dist.load_state_dict(request, folder, args.dist_ckpt_strictness)
+    loaded = torch_dist.load_state_dict(request, folder, settings.dist_ckpt_strictness)
     _apply(request, loaded, chunks, optimizer, megatron_ddp, load_optim)
     if load_optim and scheduler is not None:
         scheduler.load_state_dict(common["opt_param_scheduler"])
@@ -330,35 +344,35 @@ def _apply(request, loaded, chunks, optimizer, megatron_ddp: bool, load_optim: b
         optimizer.reload_model_params()
 
 
-def load_checkpoint(args, chunks, optimizer, scheduler, groups=None) -> dict | None:
-    """Load ``args.load`` (the tracker's iteration, or ``--ckpt-step``) into this job. Returns None
+def load_checkpoint(settings: CheckpointSettings, chunks, optimizer, scheduler, groups=None) -> dict | None:
+    """Load ``settings.load`` (the tracker's iteration, or ``--ckpt-step``) into this job. Returns None
     when there is no checkpoint, else {'iteration', 'consumed_train', 'consumed_valid', 'args'}.
     Every file is checked against its checksum first; a checkpoint of another model shape, a
     changed schedule (see resume.check_schedule) or a damaged file stops with the file named.
     'flops' is the floating-point operations of the training so far (Megatron-LM's
     num_floating_point_operations_so_far; --log-progress), the checkpoint's even with --finetune or
     --pretrained-checkpoint (load_checkpoint in megatron/training/checkpointing.py, HEAD and core_v0.16.1)."""
-    target = files.load_target(args.load, args.ckpt_step)
+    target = files.load_target(settings.load, settings.ckpt_step)
     if target is None:
         return None
     folder, iteration = target
     start = time.perf_counter()
-    manifest = _verified_folder(args, folder)
+    manifest = _verified_folder(settings, folder)
     if manifest.get("format") == "torch":
         layout = torch_dist.layout_sizes(_groups(chunks, groups))
-        common = local.load_rank_file(args, folder, chunks, optimizer, scheduler, layout)
+        common = local.load_rank_file(settings, folder, chunks, optimizer, scheduler, layout)
     else:
-        common = _load_dist(args, folder, chunks, optimizer, scheduler, _groups(chunks, groups))
+        common = _load_dist(settings, folder, chunks, optimizer, scheduler, _groups(chunks, groups))
     saved = common["args"]
     flops = common.get("num_floating_point_operations_so_far", 0)  # kept by --finetune too, as Megatron-LM does
     _print0(
-        f"  successfully loaded checkpoint from {args.load} at iteration {iteration} "
+        f"  successfully loaded checkpoint from {settings.load} at iteration {iteration} "
         f"[ {time.perf_counter() - start:.2f} s ]"
     )
     return {
-        "iteration": 0 if args.finetune else iteration,
-        "consumed_train": 0 if args.finetune else saved.get("consumed_train_samples", 0),
-        "consumed_valid": 0 if args.finetune else saved.get("consumed_valid_samples", 0),
+        "iteration": 0 if settings.finetune else iteration,
+        "consumed_train": 0 if settings.finetune else saved.get("consumed_train_samples", 0),
+        "consumed_valid": 0 if settings.finetune else saved.get("consumed_valid_samples", 0),
         "args": saved,
         "flops": flops,
     }

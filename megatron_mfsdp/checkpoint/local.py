@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from . import integrity, resume
 from . import state as ckpt_state
+from .settings import CheckpointSettings
 
 
 def rank_file(rank: int) -> str:
@@ -78,10 +79,19 @@ def _model_state(chunks) -> list:
     ]
 
 
-def rank_state(args, iteration: int, chunks, optimizer, scheduler, consumed, layout=None, flops: float = 0.0) -> dict:
-    """This rank's whole state; ``layout`` is [PP, TP, DP] (checkpoint/dist.py layout_sizes), ``flops`` the
-    floating-point operations so far."""
-    saved_args = ckpt_state.args_dict(args)
+def rank_state(
+    settings: CheckpointSettings,
+    iteration: int,
+    chunks,
+    optimizer,
+    scheduler,
+    consumed,
+    layout=None,
+    flops: float = 0.0,
+) -> dict:
+    """This rank's whole state, with ``settings.run_args`` as its args; ``layout`` is [PP, TP, DP]
+    (checkpoint/dist.py layout_sizes), ``flops`` the floating-point operations so far."""
+    saved_args = dict(settings.run_args)
     saved_args["consumed_train_samples"], saved_args["consumed_valid_samples"] = consumed
     state = {
         "iteration": iteration,
@@ -191,21 +201,21 @@ def _load_distributed(member, saved: dict, param_state: dict) -> None:
     member.load_parameter_state_from_dp_reshardable(param_state)
 
 
-def load_rank_file(args, folder: str, chunks, optimizer, scheduler, layout=None) -> dict:
+def load_rank_file(settings: CheckpointSettings, folder: str, chunks, optimizer, scheduler, layout=None) -> dict:
     """Load this rank's file (already checksum-verified) into the job; returns the saved state."""
     path = _path(folder, dist.get_rank())
     if not os.path.isfile(path):
         raise ValueError(f"--load: {path} is missing (saved with another world size? use --ckpt-format torch_dist)")
     state = torch.load(path, map_location="cpu", weights_only=True)
-    resume.check_same_model(args, state["args"], path)
+    resume.check_same_model(settings.run_args, state["args"], path)
     _check_layout(path, state, chunks, layout)
     _load_model(chunks, state["model"])
-    if not (args.finetune or args.no_load_optim):
-        resume.check_schedule(args, scheduler, state["opt_param_scheduler"], state["args"], folder)
+    if not (settings.finetune or settings.no_load_optim):
+        resume.check_schedule(settings, scheduler, state["opt_param_scheduler"], state["args"], folder)
         _load_optimizer(chunks, optimizer, state)
         scheduler.load_state_dict(state["opt_param_scheduler"])
     else:
         optimizer.reload_model_params()
-    if not (args.finetune or args.no_load_rng):
+    if not (settings.finetune or settings.no_load_rng):
         ckpt_state.set_rng_tensors(state["rng"])
     return state

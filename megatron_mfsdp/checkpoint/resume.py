@@ -1,8 +1,11 @@
-"""Megatron-LM's rules for resuming: which arguments a checkpoint brings (``--use-checkpoint-args``),
-which must match (the model's shape), and how a changed schedule is treated
-(``--override-opt_param-scheduler`` / ``--use-checkpoint-opt_param-scheduler``)."""
+"""Megatron-LM's rules for resuming: which arguments a checkpoint brings (``--use-checkpoint-args``,
+applied to the namespace by training/loop.py), which must match (the model's shape), and how a
+changed schedule is treated (``--override-opt_param-scheduler`` / ``--use-checkpoint-opt_param-scheduler``).
+Both sides are compared as checkpoints store arguments (state.args_dict)."""
 
 from __future__ import annotations
+
+from .settings import CheckpointSettings
 
 # The model's shape: a checkpoint of another shape cannot load (matches the architecture arguments
 # megatron/training/checkpointing.py: load_args_from_checkpoint copies at core_v0.16.1).
@@ -49,38 +52,27 @@ SCHEDULE_KEYS = ("max_lr", "min_lr", "lr_warmup_steps", "lr_decay_steps", "lr_de
 SCHEDULE_KEYS += ("wd_incr_style", "wd_incr_steps")
 
 
-def apply_checkpoint_args(args, saved: dict) -> list[str]:
-    """--use-checkpoint-args: take the model's arguments from the checkpoint; returns what changed.
-    --no-use-tokenizer-model-from-checkpoint-args keeps this run's --tokenizer-model (Megatron-LM's
-    load_args_from_checkpoint at HEAD)."""
-    changed = []
-    keep_tokenizer = not getattr(args, "use_tokenizer_model_from_checkpoint_args", True)
-    for key in MODEL_ARGS:
-        if keep_tokenizer and key == "tokenizer_model":
-            continue
-        if key in saved and getattr(args, key, None) != saved[key]:
-            changed.append(f"--{key.replace('_', '-')} {saved[key]}")
-            setattr(args, key, saved[key])
-    return changed
-
-
-def check_same_model(args, saved: dict, where: str) -> None:
-    """A checkpoint of another model shape stops the job before any tensor is read."""
+def check_same_model(run_args: dict, saved: dict, where: str) -> None:
+    """A checkpoint of another model shape stops the job before any tensor is read; ``run_args`` and
+    ``saved`` are this run's and the checkpoint's arguments as checkpoints store them."""
     differ = [
-        f"--{key.replace('_', '-')}: checkpoint {saved[key]!r}, this run {getattr(args, key, None)!r}"
+        f"--{key.replace('_', '-')}: checkpoint {saved[key]!r}, this run {run_args.get(key)!r}"
         for key in SHAPE_ARGS
-        if key in saved and getattr(args, key, None) != saved[key]
+        if key in saved and run_args.get(key) != saved[key]
     ]
     if differ:
         raise ValueError(f"checkpoint {where} was saved for another model: " + "; ".join(differ))
 
 
-def check_schedule(args, scheduler, saved_scheduler: dict, saved_args: dict, where: str) -> None:
+def check_schedule(
+    settings: CheckpointSettings, scheduler, saved_scheduler: dict, saved_args: dict, where: str
+) -> None:
     """Megatron-LM's rule, stated up front: a resume whose schedule differs stops naming every value
     that differs, unless --override-opt_param-scheduler (this run's values) or
     --use-checkpoint-opt_param-scheduler (the checkpoint's) says which to use."""
-    if args.override_opt_param_scheduler or args.use_checkpoint_opt_param_scheduler:
+    if settings.override_opt_param_scheduler or settings.use_checkpoint_opt_param_scheduler:
         return
+    run_args = settings.run_args
     now = scheduler.state_dict()
     differ = [
         f"{key}: checkpoint {saved_scheduler[key]}, this run {now[key]}"
@@ -88,10 +80,8 @@ def check_schedule(args, scheduler, saved_scheduler: dict, saved_args: dict, whe
         if key in saved_scheduler and saved_scheduler[key] != now[key]
     ]
     for key in ("global_batch_size", "train_iters", "train_samples", "lr"):
-        if key in saved_args and saved_args[key] != getattr(args, key, None):
-            differ.append(
-                f"--{key.replace('_', '-')}: checkpoint {saved_args[key]}, this run {getattr(args, key, None)}"
-            )
+        if key in saved_args and saved_args[key] != run_args.get(key):
+            differ.append(f"--{key.replace('_', '-')}: checkpoint {saved_args[key]}, this run {run_args.get(key)}")
     if differ:
         raise SystemExit(
             f"--load {where}: the learning-rate schedule differs from the checkpoint's ("

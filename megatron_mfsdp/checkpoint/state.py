@@ -26,7 +26,10 @@ def _plain(value):
 
 
 def args_dict(args) -> dict:
-    """The run's arguments with plain values (lists of plain values kept, dtypes as text); others dropped."""
+    """The run's arguments with plain values (lists of plain values kept, dtypes as text); others dropped:
+    the checkpoint's ``args`` entry, as Megatron-LM saves ``args`` in its checkpoints. It takes the
+    argparse namespace below training/ because storing that namespace is its job (training/configs.py
+    calls it when it builds a CheckpointSettings); nothing here reads a setting from it."""
     out = {}
     for key, value in sorted(vars(args).items()):
         if key in _PER_RANK:

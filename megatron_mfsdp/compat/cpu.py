@@ -93,10 +93,8 @@ def cuda_on_cpu() -> Iterator[None]:
 
 
 BF16_UNITS = ("amx_bf16", "avx512_bf16")
-"""/proc/cpuinfo flags of a bf16 matrix unit, strongest first. AMX-BF16: a bf16 product several
-times faster than fp32 (0.84 vs 7.05 ms for 512x512 @ 512x2048 on one core); AVX512-BF16 alone:
-the standard bf16 Newton-Schulz about 2x faster than fp32. Without either, bf16 is emulated
-(about 50x slower than fp32 on one such CPU)."""
+"""/proc/cpuinfo flags of a bf16 matrix unit, strongest first: with one, bf16 products beat fp32;
+without either, bf16 is emulated and far slower than fp32 (benchmarks/results/cpu_costs.md)."""
 
 
 def cpu_flags() -> frozenset[str] | None:

@@ -2,9 +2,9 @@
 
 ``megatron.core.jit`` sets ``jit_fuser = torch.compile`` when imported, and importing
 megatron.core decorates some 24 fusions (bias-GeLU, bias-SwiGLU, ...) with it. Decorating
-resolves the inductor backend, which imports inductor: 1.7-2.6 s of CPU in every process
-that imports megatron.core, measured here, before any flag is parsed. On a 2-core machine
-that starts dozens of ranks, tools and tests, that is minutes, and a run with
+resolves the inductor backend, which imports inductor: seconds of CPU in every process that
+imports megatron.core, before any flag is parsed (benchmarks/results/startup.md). A machine that
+starts dozens of ranks, tools and tests pays it each time, and a run with
 ``--disable-jit-fuser`` never compiles a fusion at all.
 
 Importing this module (megatron_mfsdp's first import) calls :func:`import_megatron_core`,

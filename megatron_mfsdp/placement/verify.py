@@ -54,8 +54,7 @@ def start_signature(group, unit_index: int, op: int, numel: int, device=None) ->
     """Start all-gathering (unit, op, numel). Every rank issues exactly one per owner collective, all
     of the same size, so these all-gathers match even when the collectives they describe do not:
     verifying one before waiting for its collective raises instead of hanging, without making the
-    collective wait for the check (a blocking check cost about 100 ms of a 830 ms forward-backward
-    at W=2 in benchmarks/bench_end_to_end.py)."""
+    collective wait for the check (a blocking check's cost: benchmarks/results/cpu_costs.md)."""
     world = dist.get_world_size(group)
     mine = torch.tensor([unit_index, op, numel], dtype=torch.int64, device=device)
     everyone = torch.empty(world * 3, dtype=torch.int64, device=device)

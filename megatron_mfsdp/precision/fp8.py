@@ -27,7 +27,7 @@ Facts matched, Transformer Engine v2.9 (read, not copied):
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
 
@@ -60,7 +60,8 @@ _UNSUPPORTED = {
 @dataclass(frozen=True)
 class Fp8Config:
     """Megatron-LM's FP8 flags, by their argparse dest names (--fp8-format is ``fp8``), with
-    the defaults of megatron/core/transformer/transformer_config.py at core_v0.16.1."""
+    the defaults of megatron/core/transformer/transformer_config.py at core_v0.16.1; a run's is
+    built by training/configs.py fp8_config_from_args."""
 
     fp8: str = "e4m3"
     fp8_recipe: str = "delayed"
@@ -84,13 +85,6 @@ class Fp8Config:
             raise ValueError(f"--fp8-amax-history-len {self.fp8_amax_history_len}: must be at least 1")
         if int(self.fp8_margin) != self.fp8_margin:
             raise ValueError(f"--fp8-margin {self.fp8_margin!r}: must be an integer")
-
-    @classmethod
-    def from_args(cls, args) -> Fp8Config | None:
-        """The config of a megatron argparse namespace; None when --fp8-format is not given."""
-        if getattr(args, "fp8", None) is None:
-            return None
-        return cls(**{f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)})
 
     @property
     def fp8_max(self) -> float:

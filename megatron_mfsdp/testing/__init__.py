@@ -16,7 +16,7 @@ from .tiny import (
     tiny_gpt,
     tiny_gpt_config,
 )
-from .workers import Call, CallLog, count_collectives, free_port, run_workers
+from .workers import Call, CallLog, count_collectives, free_port, run_workers  # counting: runtime/call_log.py
 
 __all__ = [
     "dist_checkpoint",

@@ -1,5 +1,6 @@
-"""Run a function on several gloo processes, and count the torch.distributed collectives
-made in a block (how the tests prove the optimizer step moves no tensor data).
+"""Run a function on several gloo processes; ``count_collectives`` (the torch.distributed calls made
+in a block: how the tests prove the optimizer step moves no tensor data) lives in
+runtime/call_log.py, which tools/plan.py uses too, and is re-exported here for the tests.
 
 Starting a process that imports torch and megatron-core costs seconds of CPU, which on a
 2-core machine dominates a test suite of tiny models. So ``run_workers`` keeps one pool of
@@ -12,7 +13,6 @@ groups kept for the next task of the same layout, and destroyed by ``release_poo
 from __future__ import annotations
 
 import atexit
-import functools
 import gc
 import multiprocessing
 import os
@@ -29,30 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-COLLECTIVES = (
-    "all_reduce",
-    "broadcast",
-    "all_gather",
-    "all_gather_into_tensor",
-    "all_gather_single",
-    "reduce_scatter",
-    "reduce_scatter_tensor",
-    "reduce_scatter_single",
-    "all_to_all",
-    "all_to_all_single",
-    "reduce",
-    "gather",
-    "scatter",
-    "send",
-    "recv",
-    "isend",
-    "irecv",
-    "batch_isend_irecv",
-    "all_gather_object",
-    "broadcast_object_list",
-    "barrier",
-    "all_reduce_coalesced",
-)
+from ..runtime.call_log import Call, CallLog, count_collectives  # noqa: F401 - re-exported for the tests
 
 COLLECTIVE_TIMEOUT_S = 300  # a rank stuck in a collective raises after this, instead of hanging
 
@@ -72,16 +49,16 @@ def _init(rank: int, world_size: int, port: int, threads: int) -> None:
     torch.set_num_threads(threads)
     # A rank that torchrun launches starts its DataLoader workers by fork (Linux's default); a
     # spawned pool process would inherit "spawn", and each loader worker would import torch and
-    # megatron afresh (seconds each: 40 s of a 60 s scaled-down Megatron-LM script at 2 ranks).
+    # megatron afresh (seconds each; measured: benchmarks/results/startup.md).
     if "fork" in multiprocessing.get_all_start_methods():
         multiprocessing.set_start_method("fork", force=True)
     dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S))
 
 
-def _run_task(rank: int, world_size: int, fn, args, out_dir: str) -> None:
+def _run_task(rank: int, world_size: int, fn, fn_args, out_dir: str) -> None:
     failed = False
     try:
-        result = fn(rank, world_size, *args)
+        result = fn(rank, world_size, *fn_args)
         torch.save(result, os.path.join(out_dir, f"result{rank}.pt"))
     except BaseException:
         failed = True
@@ -122,10 +99,10 @@ def _threads() -> int:
     return len(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else 0
 
 
-def _fresh_entry(rank, world_size, port, threads, fn, args, out_dir):
+def _fresh_entry(rank, world_size, port, threads, fn, fn_args, out_dir):
     _init(rank, world_size, port, threads)
     try:
-        _run_task(rank, world_size, fn, args, out_dir)
+        _run_task(rank, world_size, fn, fn_args, out_dir)
     finally:
         dist.destroy_process_group()
 
@@ -175,10 +152,10 @@ class WorkerPool:
     def alive(self) -> bool:
         return all(p.is_alive() for p in self.procs)
 
-    def run(self, fn: Callable, args: tuple, timeout: float) -> list:
+    def run(self, fn: Callable, fn_args: tuple, timeout: float) -> list:
         with tempfile.TemporaryDirectory() as out_dir:
             for q in self.tasks:
-                q.put((fn, args, out_dir))
+                q.put((fn, fn_args, out_dir))
             deadline = time.monotonic() + timeout
             while not all(os.path.exists(os.path.join(out_dir, f"done{r}")) for r in range(self.world_size)):
                 if time.monotonic() > deadline or not self.alive():
@@ -239,8 +216,8 @@ def _release_groups(rank: int, world_size: int) -> None:
 
 def release_pool_groups() -> None:
     """Destroy every group but the world in each idle pool: the pools stay for the next test
-    module (starting 8 ranks costs 20 s here), and their idle gloo threads stop polling
-    (an idle 8-rank pool holding TP2 x PP2's groups took 16% of a core, the world alone 1.4%)."""
+    module (starting ranks costs seconds each), and their idle gloo threads stop polling (what an
+    idle pool costs: benchmarks/results/startup.md)."""
     for key, pool in list(_POOLS.items()):
         if pool.alive():
             try:
@@ -272,12 +249,12 @@ def run_workers(
     return pool.run(fn, args, timeout)
 
 
-def _run_fresh(world_size: int, fn: Callable, args: tuple, threads: int, timeout: float) -> list:
+def _run_fresh(world_size: int, fn: Callable, fn_args: tuple, threads: int, timeout: float) -> list:
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory() as out_dir:
         port = free_port()
         procs = [
-            ctx.Process(target=_fresh_entry, args=(r, world_size, port, threads, fn, args, out_dir))
+            ctx.Process(target=_fresh_entry, args=(r, world_size, port, threads, fn, fn_args, out_dir))
             for r in range(world_size)
         ]
         for p in procs:
@@ -290,97 +267,3 @@ def _run_fresh(world_size: int, fn: Callable, args: tuple, threads: int, timeout
                 p.kill()
                 p.join()
         return _collect(out_dir, world_size, f"exit codes {[p.exitcode for p in procs]}, timeout {timeout}s")
-
-
-class Call(tuple):
-    """One collective call: compares as ``(name, tensor elements)``, and also carries ``nbytes``
-    (elements times element size, over every tensor argument), ``dtypes`` (in argument order) and
-    ``link``: (bytes in, bytes out) of this rank as NCCL's ring algorithms move them (testing/links.py)."""
-
-    def __new__(cls, name: str, numel: int, nbytes: int = 0, dtypes: tuple = (), link: tuple = (0, 0)):
-        call = super().__new__(cls, (name, numel))
-        call.nbytes, call.dtypes, call.link = nbytes, tuple(dtypes), tuple(link)
-        return call
-
-    def __reduce__(self):
-        return Call, (self[0], self[1], self.nbytes, self.dtypes, self.link)
-
-    @property
-    def name(self) -> str:
-        return self[0]
-
-
-class CallLog(list):
-    """A :class:`Call` (name, tensor elements; ``nbytes``, ``dtypes``) per collective call, in call order."""
-
-    def __init__(self, *args):
-        super().__init__(*args)
-        self.tensors: list[list[tuple[int, torch.dtype]]] = []  # per call: (elements, dtype) of each tensor
-
-    def bytes_of(self, name: str, which=slice(None)) -> list[int]:
-        """Per call of ``name``: bytes of its tensors (``which`` picks them: 0 = the first, an output)."""
-        out = []
-        for (n, _), tensors in zip(self, self.tensors):
-            if n == name:
-                picked = tensors[which] if isinstance(which, slice) else [tensors[which]]
-                out.append(sum(k * dtype.itemsize for k, dtype in picked))
-        return out
-
-    def summary(self):
-        """(number of calls other than barriers, {name: (calls, elements)})."""
-        tensor_calls = [(n, k) for n, k in self if n != "barrier"]
-        by_name = {}
-        for n, k in tensor_calls:
-            c, e = by_name.get(n, (0, 0))
-            by_name[n] = (c + 1, e + k)
-        return len(tensor_calls), by_name
-
-    def bytes_by(self, name: str, dtype: torch.dtype | None = None) -> int:
-        """Bytes passed to the calls of one collective, optionally only those whose tensors have ``dtype``."""
-        return sum(c.nbytes for c in self if c[0] == name and (dtype is None or dtype in c.dtypes))
-
-    def calls_of(self, name: str) -> int:
-        """Number of calls of one collective."""
-        return sum(1 for c in self if c[0] == name)
-
-
-class count_collectives:
-    """Record every torch.distributed collective made inside the block;
-    ``with count_collectives() as calls: ...`` gives a :class:`CallLog`. A call that torch makes
-    through another public one (``all_gather_into_tensor`` calls ``all_gather_single``) counts once."""
-
-    def __enter__(self) -> CallLog:
-        from .links import link_bytes
-
-        self.calls = CallLog()
-        self._saved = {}
-        depth = [0]
-        for name in COLLECTIVES:
-            fn = getattr(dist, name, None)
-            if fn is None:
-                continue
-            self._saved[name] = fn
-
-            @functools.wraps(fn)
-            def wrapper(*args, _name=name, _fn=fn, **kwargs):
-                if depth[0]:
-                    return _fn(*args, **kwargs)
-                tensors = [a for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor)]
-                numel = sum(t.numel() for t in tensors)
-                nbytes = sum(t.numel() * t.element_size() for t in tensors)
-                link = link_bytes(_name, args, kwargs)
-                self.calls.append(Call(_name, numel, nbytes, tuple(t.dtype for t in tensors), link))
-                self.calls.tensors.append([(t.numel(), t.dtype) for t in tensors])
-                depth[0] += 1
-                try:
-                    return _fn(*args, **kwargs)
-                finally:
-                    depth[0] -= 1
-
-            setattr(dist, name, wrapper)
-        return self.calls
-
-    def __exit__(self, *exc):
-        for name, fn in self._saved.items():
-            setattr(dist, name, fn)
-        return False

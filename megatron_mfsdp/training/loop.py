@@ -189,8 +189,10 @@ def _mfsdp_settings(args, chunk) -> str:
 
 def _maybe_load(args, run) -> int:
     from ..checkpoint import load_checkpoint
+    from .configs import checkpoint_settings_from_args
 
-    loaded = load_checkpoint(args, run.chunks, run.optimizer, run.scheduler, run.groups) if args.load else None
+    settings = checkpoint_settings_from_args(args)
+    loaded = load_checkpoint(settings, run.chunks, run.optimizer, run.scheduler, run.groups) if args.load else None
     if loaded is None and args.pretrained_checkpoint:
         # Megatron-LM's rule (load_checkpoint, megatron/training/checkpointing.py at HEAD): no checkpoint in
         # --load, so fine-tune from --pretrained-checkpoint (weights only, iteration 0).
@@ -210,11 +212,10 @@ def _maybe_load(args, run) -> int:
 
 def _load_pretrained(args, run) -> dict:
     """--pretrained-checkpoint: its weights, as --finetune loads them (no optimizer, no generator states)."""
-    from argparse import Namespace
-
     from ..checkpoint import load_checkpoint
+    from .configs import checkpoint_settings_from_args
 
-    pretrained = Namespace(**{**vars(args), "load": args.pretrained_checkpoint, "finetune": True, "ckpt_step": None})
+    pretrained = checkpoint_settings_from_args(args, load=args.pretrained_checkpoint, finetune=True, ckpt_step=None)
     loaded = load_checkpoint(pretrained, run.chunks, run.optimizer, run.scheduler, run.groups)
     if loaded is None:
         raise SystemExit(
@@ -339,11 +340,15 @@ def _evaluate(args, run, writers, iteration: int, prefix: str, source, history=N
 
 def _save(args, run, iteration: int, interval: _Interval) -> int:
     from ..checkpoint import save_checkpoint
+    from .configs import checkpoint_settings_from_args
 
     paused = time.perf_counter()
     _finish_async_save(args, run, blocking=True)  # what save_checkpoint would do first, seen by --log-progress
     consumed = (run.consumed_train, run.consumed_valid)
-    save_checkpoint(args, iteration, run.chunks, run.optimizer, run.scheduler, consumed, run.groups, run.progress.flops)
+    settings = checkpoint_settings_from_args(args)
+    save_checkpoint(
+        settings, iteration, run.chunks, run.optimizer, run.scheduler, consumed, run.groups, run.progress.flops
+    )
     run.progress.saved(iteration, run.consumed_train)
     interval.paused += time.perf_counter() - paused
     return iteration
@@ -426,12 +431,29 @@ def _write_history(args, history) -> None:
         logging.print_rank0(f"> loss curve written to {path}")
 
 
+def apply_checkpoint_args(args, saved: dict) -> list[str]:
+    """--use-checkpoint-args: take the model's arguments (checkpoint/resume.py MODEL_ARGS) from the
+    checkpoint's stored ones into ``args``; returns what changed.
+    --no-use-tokenizer-model-from-checkpoint-args keeps this run's --tokenizer-model (Megatron-LM's
+    load_args_from_checkpoint at HEAD)."""
+    from ..checkpoint.resume import MODEL_ARGS
+
+    changed = []
+    keep_tokenizer = not getattr(args, "use_tokenizer_model_from_checkpoint_args", True)
+    for key in MODEL_ARGS:
+        if keep_tokenizer and key == "tokenizer_model":
+            continue
+        if key in saved and getattr(args, key, None) != saved[key]:
+            changed.append(f"--{key.replace('_', '-')} {saved[key]}")
+            setattr(args, key, saved[key])
+    return changed
+
+
 def _checkpoint_args(args) -> None:
     """--use-checkpoint-args: the model's arguments come from the checkpoint in --load."""
     if not (args.use_checkpoint_args and args.load):
         return
     from ..checkpoint import read_checkpoint_args
-    from ..checkpoint.resume import apply_checkpoint_args
 
     saved = read_checkpoint_args(args.load, args.ckpt_step)
     if saved is None:

@@ -20,23 +20,7 @@ import time
 
 import torch.distributed as dist
 
-FILE = "progress.txt"
-_STAMP = "%Y-%m-%d %H:%M:%S"
-
-
-def append(save_dir: str | None, text: str, barrier: bool = True) -> None:
-    """One line, after a barrier (unless ``barrier`` is False: rank 0 alone calls), from rank 0
-    (Megatron-LM's append_to_progress_log)."""
-    if save_dir is None:
-        return
-    if barrier:
-        dist.barrier()
-    if dist.get_rank() != 0:
-        return
-    os.makedirs(save_dir, exist_ok=True)
-    with open(os.path.join(save_dir, FILE), "a") as f:
-        job = os.environ.get("SLURM_JOB_ID", "")
-        f.write(f"{datetime.datetime.now():{_STAMP}}\tJob ID: {job}\t# GPUs: {dist.get_world_size()}\t{text}\n")
+from ..checkpoint.progress_log import FILE, STAMP, append
 
 
 def _field(token: str, kind):
@@ -64,7 +48,7 @@ def run_start(path: str, world_size: int) -> tuple[datetime.datetime, float]:
                 start, start_flops = tokens[0], latest
     if start is None:
         raise ValueError(f"{path}: no 'Starting job' line at world size {world_size}")
-    return datetime.datetime.strptime(start, _STAMP), start_flops
+    return datetime.datetime.strptime(start, STAMP), start_flops
 
 
 class Progress:

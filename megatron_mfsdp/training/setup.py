@@ -62,9 +62,9 @@ def runtime_config(args, on_cpu: bool | None = None) -> MatrixFSDPConfig:
 
 def fp8_runtime_fields(args) -> dict:
     """FP8 parameters (validate_fp8 kept --fp8-format only with --use-matrix-fsdp --fp8-param-gather)."""
-    from ..precision import Fp8Config
+    from .configs import fp8_config_from_args
 
-    fp8 = Fp8Config.from_args(args) if getattr(args, "fp8_param_gather", False) else None
+    fp8 = fp8_config_from_args(args) if getattr(args, "fp8_param_gather", False) else None
     if fp8 is None:
         return {}
     bf16_layers = (
@@ -133,7 +133,7 @@ def build_model_chunks(args, vocab_size: int, config, groups):
     from megatron.core import parallel_state
 
     from ..models.gpt import build_gpt_model, initialize_by_global_name
-    from ..models.gpt.config import gpt_model_kwargs
+    from .configs import gpt_model_kwargs_from_args
 
     chunks = []
     for vp in range(args.virtual_pipeline_model_parallel_size or 1):
@@ -147,7 +147,7 @@ def build_model_chunks(args, vocab_size: int, config, groups):
             post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp),
             use_transformer_engine=args.transformer_impl == "transformer_engine",
             vp_stage=vp,
-            **gpt_model_kwargs(args),
+            **gpt_model_kwargs_from_args(args),
         )
         if config.use_cpu_initialization:
             # Layout-independent start: every TP x PP x DP run begins from the 1 x 1 x 1 weights.
@@ -162,7 +162,7 @@ def build_model_chunks(args, vocab_size: int, config, groups):
 
 def build_model_and_optimizer(args, vocab_size: int):
     """The process groups, wrapped model chunks, optimizer and lr scheduler of one job."""
-    from ..models.gpt.config import transformer_config_from_args
+    from .configs import transformer_config_from_args
     from .schedule import build_scheduler
 
     config = transformer_config_from_args(args)

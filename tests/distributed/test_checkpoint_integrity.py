@@ -13,6 +13,7 @@ import torch
 
 from megatron_mfsdp.checkpoint import files, integrity
 from megatron_mfsdp.testing import run_workers
+from megatron_mfsdp.training.configs import checkpoint_settings_from_args
 from tests.launch import TINY, pretrain_in_workers
 
 FLAGS = [*TINY, "--eval-iters", "0", "--train-iters", "2", "--use-matrix-fsdp"]
@@ -40,7 +41,7 @@ def _save_worker(rank, world, root, extra):
             for unit in chunk.units:
                 unit.param_segment.add_(1.0)
     before = integrity.hashed_bytes()
-    checkpoint.save_checkpoint(args, 2, chunks, optimizer, scheduler, (16, 0), groups)
+    checkpoint.save_checkpoint(checkpoint_settings_from_args(args), 2, chunks, optimizer, scheduler, (16, 0), groups)
     checkpoint.finalize_async_save(blocking=True)
     return integrity.hashed_bytes() - before
 
@@ -53,7 +54,7 @@ def _load_worker(rank, world, root, extra):
     initial = _weights(chunks)
     before, error = integrity.hashed_bytes(), None
     try:
-        checkpoint.load_checkpoint(args, chunks, optimizer, scheduler, groups)
+        checkpoint.load_checkpoint(checkpoint_settings_from_args(args), chunks, optimizer, scheduler, groups)
     except ValueError as err:
         error = str(err)
     changed = any(not torch.equal(a, b) for a, b in zip(initial, _weights(chunks)))

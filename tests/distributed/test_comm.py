@@ -7,7 +7,7 @@ paths was W x that rank's segment on its link) and on a unit spread over the ran
 - the rank-ordered reduction is bitwise the single-process sum (contributions added in rank order
   in fp32, bf16 wires included, chunked or not); the ring reduction is within the bound of a sum
   in another order;
-- every call is charged as NCCL's rings move it, at the torch call site (testing/links.py): the
+- every call is charged as NCCL's rings move it, at the torch call site (runtime/call_log.py): the
   comm's own counters equal those charges and the prediction from the layout (runtime/traffic.py);
 - the busiest rank of each gather and ring reduction moves at most W/(W-1) x 1.02 of ZeRO-3's
   bytes per rank; the rank-ordered chain's busiest rank moves what its schedule says, at most one

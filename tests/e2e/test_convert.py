@@ -262,13 +262,13 @@ def save_at_layout(rank, world_size, folder, tp, pp):
 
     from megatron_mfsdp.compat.cpu import cuda_on_cpu
     from megatron_mfsdp.models.gpt import build_gpt_model, initialize_by_global_name
-    from megatron_mfsdp.models.gpt.config import transformer_config_from_args
+    from megatron_mfsdp.models.gpt.config import transformer_config
     from megatron_mfsdp.models.gpt.hf import MEGATRON_DEFAULTS
     from megatron_mfsdp.testing import init_megatron
 
     init_megatron(tp, pp)
     args = {**MEGATRON_DEFAULTS, **LLAMA_ARGS, "tensor_model_parallel_size": tp, "pipeline_model_parallel_size": pp}
-    config = transformer_config_from_args({**args, "use_cpu_initialization": True})
+    config = transformer_config({**args, "use_cpu_initialization": True})
     model = build_gpt_model(
         config,
         vocab_size=128,

@@ -18,8 +18,13 @@ import torch
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
-from megatron_mfsdp.checkpoint.model_files import model_tensors, whole_model, write_model_checkpoint  # noqa: E402
-from megatron_mfsdp.models.gpt.generate import continuation_logprob, load_model_shard  # noqa: E402
+from megatron_mfsdp.checkpoint.model_files import (  # noqa: E402
+    load_model_shard,
+    model_tensors,
+    whole_model,
+    write_model_checkpoint,
+)
+from megatron_mfsdp.models.gpt.generate import continuation_logprob  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 VOCAB = 100  # tokenizer ids; the embedding has 128 rows (Megatron-LM's padding), the export keeps 100

@@ -388,14 +388,16 @@ def test_config_reads_megatron_args_and_defaults():
     from megatron.core.enums import Fp8Recipe
     from megatron.core.transformer.transformer_config import TransformerConfig
 
+    from megatron_mfsdp.training.configs import fp8_config_from_args
+
     defaults = {f.name: f.default for f in dataclasses.fields(TransformerConfig)}
     ours = {f.name: f.default for f in dataclasses.fields(Fp8Config)}
     assert all(ours[name] == defaults[name] for name in ours if name != "fp8")
-    assert Fp8Config.from_args(argparse.Namespace(fp8=None, fp8_recipe="delayed")) is None
+    assert fp8_config_from_args(argparse.Namespace(fp8=None, fp8_recipe="delayed")) is None
     args = argparse.Namespace(
         fp8="hybrid", fp8_recipe=Fp8Recipe.blockwise, fp8_margin=1, fp8_amax_history_len=8, fp8_amax_compute_algo="max"
     )
-    config = Fp8Config.from_args(args)
+    config = fp8_config_from_args(args)
     assert config == Fp8Config("hybrid", "blockwise", 1, 8, "max") and type(config.fp8_recipe) is str
     assert config.fp8_max == E4M3_MAX
     q = quantize(torch.randn(128, 128), config)

@@ -21,15 +21,9 @@ import os
 import pytest
 import torch
 
+from megatron_mfsdp.checkpoint.model_files import check_tensor_parallel, load_model_shard
 from megatron_mfsdp.compat.cpu import cuda_on_cpu
-from megatron_mfsdp.models.gpt.generate import (
-    check_tensor_parallel,
-    choose,
-    filter_logits,
-    generate,
-    generate_rerun,
-    load_model_shard,
-)
+from megatron_mfsdp.models.gpt.generate import choose, filter_logits, generate, generate_rerun
 from megatron_mfsdp.models.gpt.kv_cache import KVCacheDecoder
 
 PROBS = torch.tensor([[0.05, 0.5, 0.15, 0.3]])

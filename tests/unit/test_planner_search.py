@@ -271,8 +271,8 @@ def _meta_specs_worker(rank, world_size, cases, specs, world_sizes):
     computed in this process."""
     from megatron_mfsdp.config import MatrixFSDPConfig
     from megatron_mfsdp.models.gpt import GPT_ADAPTER, build_gpt_model
-    from megatron_mfsdp.models.gpt.config import gpt_model_kwargs, transformer_config_from_args
     from megatron_mfsdp.runtime.wrapper import unit_specs
+    from megatron_mfsdp.training.configs import gpt_model_kwargs_from_args, transformer_config_from_args
 
     built = []
     for flags, tp in cases:
@@ -286,7 +286,7 @@ def _meta_specs_worker(rank, world_size, cases, specs, world_sizes):
                 vocab_size=args.padded_vocab_size,
                 max_sequence_length=args.max_position_embeddings,
                 use_transformer_engine=False,
-                **gpt_model_kwargs(args),
+                **gpt_model_kwargs_from_args(args),
             )
         built.append(unit_specs(GPT_ADAPTER.units(model), MatrixFSDPConfig(), GPT_ADAPTER, config))
     return built, [plan_units(specs, w).digest() for w in world_sizes]

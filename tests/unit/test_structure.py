@@ -68,13 +68,30 @@ def test_no_private_names_imported_across_modules():
         ),
         ("optim", ("megatron_mfsdp.training", "megatron_mfsdp.models")),
         ("runtime", ("megatron_mfsdp.training",)),
-        ("models", ("megatron_mfsdp.training", "megatron_mfsdp.runtime", "megatron_mfsdp.optim")),
+        (
+            "models",
+            ("megatron_mfsdp.training", "megatron_mfsdp.runtime", "megatron_mfsdp.optim", "megatron_mfsdp.checkpoint"),
+        ),
         ("compat", ("megatron_mfsdp.",)),
         ("data", ("megatron_mfsdp.training", "megatron_mfsdp.runtime", "megatron_mfsdp.optim")),
+        # Checkpoints save and load what training built (chunks, optimizers: duck-typed), above the model.
+        ("checkpoint", ("megatron_mfsdp.training", "megatron_mfsdp.runtime", "megatron_mfsdp.optim")),
+        # FP8's scale rules and byte segments sit just above placement's layouts.
+        (
+            "precision",
+            (
+                "megatron_mfsdp.training",
+                "megatron_mfsdp.runtime",
+                "megatron_mfsdp.optim",
+                "megatron_mfsdp.models",
+                "megatron_mfsdp.checkpoint",
+            ),
+        ),
     ],
 )
 def test_imports_point_down(low, forbidden):
-    """Nothing low imports training/; placement never imports a model or the optimizer."""
+    """Nothing low imports training/; placement never imports a model or the optimizer; a model never
+    imports checkpoint/ (checkpoints build models, not the other way)."""
     wrong = [
         f"{path.relative_to(ROOT)} imports {module}"
         for path in _sources(f"megatron_mfsdp/{low}")
@@ -82,6 +99,73 @@ def test_imports_point_down(low, forbidden):
         if module.startswith(forbidden)
     ]
     assert not wrong, wrong
+
+
+# Import edges of a known cycle, left out until it is removed: (importer, imported).
+KNOWN_CYCLE_EDGES = {
+    # config.py's MatrixFSDPOptimizerConfig asks the rule registry for choices and settings, and the
+    # registry builds that config: removed by the optim restructuring (issue 27, part 1).
+    ("megatron_mfsdp.config", "megatron_mfsdp.optim.registry"),
+}
+
+
+def _module_name(path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """Module -> the package modules it imports, function-local imports included: ``from pkg import
+    name`` counts as pkg.name when that is a module, else as pkg."""
+    paths = {_module_name(path): path for path in _sources("megatron_mfsdp")}
+    graph = {}
+    for name, path in paths.items():
+        edges = set()
+        for module, names in _imports(path):
+            for imported in names or [None]:
+                target = f"{module}.{imported}" if imported and f"{module}.{imported}" in paths else module
+                if target in paths and target != name:
+                    edges.add(target)
+        graph[name] = edges
+    return graph
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle as the modules along it (first = last), or None (depth-first search)."""
+    state, path = {}, []
+
+    def visit(node):
+        state[node] = "open"
+        path.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == "open":
+                return path[path.index(nxt) :] + [nxt]
+            if nxt not in state and (found := visit(nxt)):
+                return found
+        state[node] = "done"
+        path.pop()
+        return None
+
+    for start in sorted(graph):
+        if start not in state and (found := visit(start)):
+            return found
+    return None
+
+
+def test_package_has_no_import_cycle():
+    graph = _import_graph()
+    stale = [edge for edge in KNOWN_CYCLE_EDGES if edge[1] not in graph.get(edge[0], set())]
+    assert not stale, f"KNOWN_CYCLE_EDGES lists edges that no longer exist (delete them): {stale}"
+    for importer, imported in KNOWN_CYCLE_EDGES:
+        graph[importer].discard(imported)
+    cycle = _cycle(graph)
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_cycle_finder_finds_a_cycle():
+    """Control: the search above reports a cycle it is shown, with its modules."""
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == ["a", "b", "c", "a"]
+    assert _cycle({"a": {"b"}, "b": set()}) is None
 
 
 def test_optimizer_shell_never_names_a_rule_module():

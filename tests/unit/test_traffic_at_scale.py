@@ -1,6 +1,6 @@
 """Owner collectives at cluster scale without processes: tools/plan.py --traffic drives the real
 planner's layouts through every DP rank's own SegmentComm in this one process (torch's fake
-process-group backend, shapes only: megatron_mfsdp/testing/at_scale.py), for the paper's 25.8B GPT
+process-group backend, shapes only: megatron_mfsdp/runtime/at_scale.py), for the paper's 25.8B GPT
 (128 layers, hidden 4096, FFN 16384) at W = 64, 256 and 1024 and Llama-3-70B at TP 8 over DP 8, 32
 and 128. Per unit: the calls of a gather and of a reduction, the busiest rank's bytes against
 ZeRO-3's bytes per rank, and the largest buffer any rank allocates."""

@@ -1,10 +1,11 @@
-"""From Megatron-LM arguments (a parsed pretrain_gpt.py namespace, or the architecture fields
-a checkpoint or a Hugging Face config carries, under the same dests) to megatron-core's
-TransformerConfig and GPTModel keyword arguments.
+"""From Megatron-LM's argument dests to megatron-core's TransformerConfig and GPTModel keyword
+arguments. The input is a mapping of dests to values: the form a checkpoint stores them in (its
+``args`` entry), hf.py's ``model_args``, and what training/configs.py hands over from a parsed
+pretrain_gpt.py namespace (``vars(args)``); the namespace itself stays in training/.
 
 Like Megatron-LM's core_transformer_config_from_args (megatron/training/arguments.py at
-core_v0.16.1), every argument named as a TransformerConfig field is copied, then the few
-that Megatron-LM derives are set. One departure: --openai-gelu selects the tanh GELU for the
+core_v0.16.1), every dest named as a TransformerConfig field is copied, then the few that
+Megatron-LM derives are set. One departure: --openai-gelu selects the tanh GELU for the
 megatron-core model (Megatron-LM 0.16.1 applies it to its legacy models only), which GPT-2
 checkpoints need.
 """
@@ -12,96 +13,49 @@ checkpoints need.
 from __future__ import annotations
 
 import dataclasses
-from types import SimpleNamespace
+from collections.abc import Mapping
 
 import torch
 
-# The architecture fields a checkpoint carries so that loading it needs no model flags.
-ARCHITECTURE_FIELDS = (
-    "num_layers",
-    "hidden_size",
-    "ffn_hidden_size",
-    "num_attention_heads",
-    "group_query_attention",
-    "num_query_groups",
-    "kv_channels",
-    "max_position_embeddings",
-    "position_embedding_type",
-    "rotary_base",
-    "rotary_percent",
-    "rotary_interleaved",
-    "rotary_seq_len_interpolation_factor",
-    "use_rope_scaling",
-    "rope_scaling_factor",
-    "normalization",
-    "layernorm_epsilon",
-    "layernorm_zero_centered_gamma",
-    "qk_layernorm",
-    "add_bias_linear",
-    "add_qkv_bias",
-    "swiglu",
-    "openai_gelu",
-    "squared_relu",
-    "untie_embeddings_and_output_weights",
-    "apply_query_key_layer_scaling",
-    "attention_softmax_in_fp32",
-    "fp32_residual_connection",
-    "init_method_std",
-    "padded_vocab_size",
-    "seq_length",
-)
 
-
-def architecture(args) -> dict:
-    """The architecture fields of ``args`` (a namespace or a dict), for checkpoints and converters."""
-    get = args.get if isinstance(args, dict) else lambda k, d=None: getattr(args, k, d)
-    return {k: get(k) for k in ARCHITECTURE_FIELDS if get(k) is not None}
-
-
-def _activation(args) -> dict:
+def _activation(dests: Mapping) -> dict:
     import torch.nn.functional as F
 
-    if args.swiglu:
+    if dests["swiglu"]:
         return dict(
             activation_func=F.silu,
             gated_linear_unit=True,
-            bias_activation_fusion=getattr(args, "bias_swiglu_fusion", False) and args.add_bias_linear,
+            bias_activation_fusion=dests.get("bias_swiglu_fusion", False) and dests["add_bias_linear"],
         )
-    fused = getattr(args, "bias_gelu_fusion", False) and args.add_bias_linear
-    if getattr(args, "squared_relu", False):
+    fused = dests.get("bias_gelu_fusion", False) and dests["add_bias_linear"]
+    if dests.get("squared_relu", False):
         from megatron.core.activations import squared_relu
 
         return dict(activation_func=squared_relu, bias_activation_fusion=False)
-    if getattr(args, "openai_gelu", False):
+    if dests.get("openai_gelu", False):
         from megatron.core.transformer.utils import openai_gelu
 
         return dict(activation_func=openai_gelu, bias_activation_fusion=False)
     return dict(activation_func=F.gelu, bias_activation_fusion=fused)
 
 
-def transformer_config_from_args(args):
-    """megatron-core's TransformerConfig from Megatron-LM arguments."""
+def transformer_config(dests: Mapping):
+    """megatron-core's TransformerConfig of Megatron-LM argument dests (a checkpoint's stored args, a
+    model_args dict, or a run's ``vars(args)``: training/configs.py transformer_config_from_args)."""
     from megatron.core.transformer.enums import AttnBackend
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    args = SimpleNamespace(**args) if isinstance(args, dict) else args
-    kw = {f.name: getattr(args, f.name) for f in dataclasses.fields(TransformerConfig) if hasattr(args, f.name)}
-    dtype = (
-        torch.bfloat16
-        if getattr(args, "bf16", False)
-        else torch.float16
-        if getattr(args, "fp16", False)
-        else torch.float32
-    )
+    kw = {f.name: dests[f.name] for f in dataclasses.fields(TransformerConfig) if f.name in dests}
+    dtype = torch.bfloat16 if dests.get("bf16", False) else torch.float16 if dests.get("fp16", False) else torch.float32
     kw.update(
-        _activation(args),
+        _activation(dests),
         params_dtype=dtype,
         pipeline_dtype=dtype,
-        num_query_groups=args.num_query_groups if getattr(args, "group_query_attention", False) else None,
-        batch_p2p_comm=not getattr(args, "overlap_p2p_comm", True),
-        num_layers_in_first_pipeline_stage=getattr(args, "decoder_first_pipeline_num_layers", None),
-        num_layers_in_last_pipeline_stage=getattr(args, "decoder_last_pipeline_num_layers", None),
-        use_cpu_initialization=getattr(args, "use_cpu_initialization", False) or not torch.cuda.is_available(),
+        num_query_groups=dests["num_query_groups"] if dests.get("group_query_attention", False) else None,
+        batch_p2p_comm=not dests.get("overlap_p2p_comm", True),
+        num_layers_in_first_pipeline_stage=dests.get("decoder_first_pipeline_num_layers", None),
+        num_layers_in_last_pipeline_stage=dests.get("decoder_last_pipeline_num_layers", None),
+        use_cpu_initialization=dests.get("use_cpu_initialization", False) or not torch.cuda.is_available(),
         deallocate_pipeline_outputs=True,
     )
     if isinstance(kw.get("attention_backend"), str):
@@ -111,15 +65,15 @@ def transformer_config_from_args(args):
     return TransformerConfig(**kw)
 
 
-def gpt_model_kwargs(args) -> dict:
-    """GPTModel's own keyword arguments (position embeddings, tied output layer)."""
-    args = SimpleNamespace(**args) if isinstance(args, dict) else args
+def gpt_model_kwargs(dests: Mapping) -> dict:
+    """GPTModel's own keyword arguments (position embeddings, tied output layer) of Megatron-LM
+    argument dests."""
     return dict(
-        position_embedding_type=args.position_embedding_type,
-        rotary_percent=getattr(args, "rotary_percent", 1.0),
-        rotary_base=getattr(args, "rotary_base", 10000),
-        rope_scaling=getattr(args, "use_rope_scaling", False),
-        rope_scaling_factor=getattr(args, "rope_scaling_factor", 8.0),
-        seq_len_interpolation_factor=getattr(args, "rotary_seq_len_interpolation_factor", None),
-        share_embeddings_and_output_weights=not getattr(args, "untie_embeddings_and_output_weights", False),
+        position_embedding_type=dests["position_embedding_type"],
+        rotary_percent=dests.get("rotary_percent", 1.0),
+        rotary_base=dests.get("rotary_base", 10000),
+        rope_scaling=dests.get("use_rope_scaling", False),
+        rope_scaling_factor=dests.get("rope_scaling_factor", 8.0),
+        seq_len_interpolation_factor=dests.get("rotary_seq_len_interpolation_factor", None),
+        share_embeddings_and_output_weights=not dests.get("untie_embeddings_and_output_weights", False),
     )

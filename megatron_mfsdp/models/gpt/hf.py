@@ -138,12 +138,12 @@ def _copy(src: _Tensors, dst: dict, table, to_megatron: bool) -> None:
         dst[ours if to_megatron else theirs] = tensor.t().contiguous() if transposed else tensor
 
 
-def _output_layer(src: _Tensors, dst: dict, args: dict, embedding: torch.Tensor, to_megatron: bool) -> None:
+def _output_layer(src: _Tensors, dst: dict, model_args: dict, embedding: torch.Tensor, to_megatron: bool) -> None:
     """lm_head <-> output_layer when untied; a tied lm_head given anyway must equal the embedding."""
     ours, theirs = "output_layer.weight", "lm_head.weight"
-    if args["untie_embeddings_and_output_weights"]:
+    if model_args["untie_embeddings_and_output_weights"]:
         tensor = src.pop(theirs if to_megatron else ours)
-        rows = args["padded_vocab_size"] if to_megatron else args["vocab_size"]
+        rows = model_args["padded_vocab_size"] if to_megatron else model_args["vocab_size"]
         dst[ours if to_megatron else theirs] = _pad_rows(tensor, rows) if to_megatron else tensor[:rows].clone()
         return
     given = src.left.pop(theirs if to_megatron else ours, None)
@@ -299,7 +299,7 @@ def transformer_args(model_args: dict) -> dict:
     return _resolved(model_args)
 
 
-def _refuse_unsupported(args: dict) -> None:
+def _refuse_unsupported(model_args: dict) -> None:
     """Megatron settings with no counterpart in either Hugging Face architecture here."""
     for dest in (
         "qk_layernorm",
@@ -312,56 +312,58 @@ def _refuse_unsupported(args: dict) -> None:
         "num_experts",
         "rotary_seq_len_interpolation_factor",
     ):
-        if args[dest]:
-            _refuse(dest, args[dest], "neither LlamaForCausalLM nor GPT2LMHeadModel has it")
-    if args["rotary_percent"] != 1.0:
-        _refuse("rotary_percent", args["rotary_percent"], "LlamaForCausalLM rotates the whole head")
+        if model_args[dest]:
+            _refuse(dest, model_args[dest], "neither LlamaForCausalLM nor GPT2LMHeadModel has it")
+    if model_args["rotary_percent"] != 1.0:
+        _refuse("rotary_percent", model_args["rotary_percent"], "LlamaForCausalLM rotates the whole head")
 
 
-def _expect(args: dict, arch: str, **wanted) -> None:
+def _expect(model_args: dict, arch: str, **wanted) -> None:
     for dest, value in wanted.items():
-        if args[dest] != value:
-            _refuse(dest, args[dest], f"{arch} needs {dest}={value!r}")
+        if model_args[dest] != value:
+            _refuse(dest, model_args[dest], f"{arch} needs {dest}={value!r}")
 
 
-def _llama_config(args: dict):
+def _llama_config(model_args: dict):
     from transformers import LlamaConfig
 
-    _expect(args, "LlamaForCausalLM (chosen by swiglu=True)", normalization="RMSNorm", position_embedding_type="rope")
-    if args["add_qkv_bias"] and not args["add_bias_linear"]:
+    _expect(
+        model_args, "LlamaForCausalLM (chosen by swiglu=True)", normalization="RMSNorm", position_embedding_type="rope"
+    )
+    if model_args["add_qkv_bias"] and not model_args["add_bias_linear"]:
         _refuse("add_qkv_bias", True, "LlamaForCausalLM's attention_bias also adds an o_proj bias")
     scaling = None
-    if args["use_rope_scaling"]:
-        scaling = {"rope_type": "llama3", "factor": float(args["rope_scaling_factor"]), **LLAMA3_ROPE}
-    bias = bool(args["add_bias_linear"])
+    if model_args["use_rope_scaling"]:
+        scaling = {"rope_type": "llama3", "factor": float(model_args["rope_scaling_factor"]), **LLAMA3_ROPE}
+    bias = bool(model_args["add_bias_linear"])
     return LlamaConfig(
         architectures=["LlamaForCausalLM"],
-        vocab_size=args["vocab_size"],
-        hidden_size=args["hidden_size"],
-        intermediate_size=args["ffn_hidden_size"],
-        num_hidden_layers=args["num_layers"],
-        num_attention_heads=args["num_attention_heads"],
-        num_key_value_heads=args["num_query_groups"],
-        head_dim=args["kv_channels"],
+        vocab_size=model_args["vocab_size"],
+        hidden_size=model_args["hidden_size"],
+        intermediate_size=model_args["ffn_hidden_size"],
+        num_hidden_layers=model_args["num_layers"],
+        num_attention_heads=model_args["num_attention_heads"],
+        num_key_value_heads=model_args["num_query_groups"],
+        head_dim=model_args["kv_channels"],
         hidden_act="silu",
-        max_position_embeddings=args["max_position_embeddings"],
-        initializer_range=args["init_method_std"],
-        rms_norm_eps=args["layernorm_epsilon"],
-        tie_word_embeddings=not args["untie_embeddings_and_output_weights"],
-        rope_theta=float(args["rotary_base"]),
+        max_position_embeddings=model_args["max_position_embeddings"],
+        initializer_range=model_args["init_method_std"],
+        rms_norm_eps=model_args["layernorm_epsilon"],
+        tie_word_embeddings=not model_args["untie_embeddings_and_output_weights"],
+        rope_theta=float(model_args["rotary_base"]),
         rope_scaling=scaling,
         attention_bias=bias,
         mlp_bias=bias,
-        attention_dropout=args["attention_dropout"],
+        attention_dropout=model_args["attention_dropout"],
     )
 
 
-def _gpt2_config(args: dict):
+def _gpt2_config(model_args: dict):
     from transformers import GPT2Config
 
-    heads, hidden = args["num_attention_heads"], args["hidden_size"]
+    heads, hidden = model_args["num_attention_heads"], model_args["hidden_size"]
     _expect(
-        args,
+        model_args,
         "GPT2LMHeadModel (chosen by swiglu=False)",
         normalization="LayerNorm",
         position_embedding_type="learned_absolute",
@@ -372,18 +374,18 @@ def _gpt2_config(args: dict):
     )
     return GPT2Config(
         architectures=["GPT2LMHeadModel"],
-        vocab_size=args["vocab_size"],
-        n_positions=args["max_position_embeddings"],
+        vocab_size=model_args["vocab_size"],
+        n_positions=model_args["max_position_embeddings"],
         n_embd=hidden,
-        n_layer=args["num_layers"],
+        n_layer=model_args["num_layers"],
         n_head=heads,
-        n_inner=None if args["ffn_hidden_size"] == 4 * hidden else args["ffn_hidden_size"],
-        activation_function="gelu_new" if args["openai_gelu"] else "gelu",
-        resid_pdrop=args["hidden_dropout"],
-        embd_pdrop=args["hidden_dropout"],
-        attn_pdrop=args["attention_dropout"],
-        layer_norm_epsilon=args["layernorm_epsilon"],
-        initializer_range=args["init_method_std"],
+        n_inner=None if model_args["ffn_hidden_size"] == 4 * hidden else model_args["ffn_hidden_size"],
+        activation_function="gelu_new" if model_args["openai_gelu"] else "gelu",
+        resid_pdrop=model_args["hidden_dropout"],
+        embd_pdrop=model_args["hidden_dropout"],
+        attn_pdrop=model_args["attention_dropout"],
+        layer_norm_epsilon=model_args["layernorm_epsilon"],
+        initializer_range=model_args["init_method_std"],
         tie_word_embeddings=True,
     )
 
@@ -422,13 +424,13 @@ def transformer_config_kwargs(model_args: dict) -> tuple[dict, dict]:
 # ----------------------------------------------------------------------------------------
 
 
-def _llama_table(args: dict, i: int):
+def _llama_table(model_args: dict, i: int):
     ours, theirs = f"decoder.layers.{i}.", f"model.layers.{i}."
     table = [
         (ours + "input_layernorm.weight", theirs + "input_layernorm.weight", False),
         (ours + "pre_mlp_layernorm.weight", theirs + "post_attention_layernorm.weight", False),
     ]
-    for leaf in ("weight", "bias") if args["add_bias_linear"] else ("weight",):
+    for leaf in ("weight", "bias") if model_args["add_bias_linear"] else ("weight",):
         table.append((f"{ours}self_attention.linear_proj.{leaf}", f"{theirs}self_attn.o_proj.{leaf}", False))
         table.append((f"{ours}mlp.linear_fc2.{leaf}", f"{theirs}mlp.down_proj.{leaf}", False))
     return table
@@ -457,13 +459,14 @@ _GPT2_GLOBAL = [
 ]
 
 
-def _llama_layers(src: _Tensors, dst: dict, args: dict, to_megatron: bool) -> None:
+def _llama_layers(src: _Tensors, dst: dict, model_args: dict, to_megatron: bool) -> None:
     """Per layer: Q, K, V <-> grouped linear_qkv, gate, up <-> linear_fc1, the rest renamed."""
-    heads, groups, head_dim = args["num_attention_heads"], args["num_query_groups"], args["kv_channels"]
-    for i in range(args["num_layers"]):
-        _copy(src, dst, _llama_table(args, i), to_megatron)
+    heads, groups = model_args["num_attention_heads"], model_args["num_query_groups"]
+    head_dim = model_args["kv_channels"]
+    for i in range(model_args["num_layers"]):
+        _copy(src, dst, _llama_table(model_args, i), to_megatron)
         ours, theirs = f"decoder.layers.{i}.", f"model.layers.{i}."
-        for leaf in ("weight", "bias") if args["add_bias_linear"] else ("weight",):
+        for leaf in ("weight", "bias") if model_args["add_bias_linear"] else ("weight",):
             qkv, fc1 = f"{ours}self_attention.linear_qkv.{leaf}", f"{ours}mlp.linear_fc1.{leaf}"
             names = [f"{theirs}self_attn.{p}_proj.{leaf}" for p in "qkv"]
             gate_up = [f"{theirs}mlp.{p}_proj.{leaf}" for p in ("gate", "up")]
@@ -475,11 +478,11 @@ def _llama_layers(src: _Tensors, dst: dict, args: dict, to_megatron: bool) -> No
                 dst.update(zip(gate_up, (t.clone() for t in src.pop(fc1).chunk(2))))
 
 
-def _gpt2_layers(src: _Tensors, dst: dict, args: dict, to_megatron: bool) -> None:
+def _gpt2_layers(src: _Tensors, dst: dict, model_args: dict, to_megatron: bool) -> None:
     """Per layer: c_attn ([in, out], columns Q | K | V) <-> linear_qkv grouped per head, the
     rest renamed, the Conv1D weights transposed."""
-    heads, head_dim = args["num_attention_heads"], args["kv_channels"]
-    for i in range(args["num_layers"]):
+    heads, head_dim = model_args["num_attention_heads"], model_args["kv_channels"]
+    for i in range(model_args["num_layers"]):
         _copy(src, dst, _gpt2_table(i), to_megatron)
         ours, theirs = f"decoder.layers.{i}.self_attention.linear_qkv.", f"transformer.h.{i}.attn.c_attn."
         for leaf in ("weight", "bias"):
@@ -491,25 +494,25 @@ def _gpt2_layers(src: _Tensors, dst: dict, args: dict, to_megatron: bool) -> Non
                 dst[theirs + leaf] = joined.t().contiguous()
 
 
-def _convert(src: _Tensors, args: dict, arch: str, to_megatron: bool) -> dict:
+def _convert(src: _Tensors, model_args: dict, arch: str, to_megatron: bool) -> dict:
     """The whole state dict of one architecture, either way."""
     dst = {}
     ours = "embedding.word_embeddings.weight"
     theirs = "model.embed_tokens.weight" if arch == "llama" else "transformer.wte.weight"
     embedding = src.pop(theirs if to_megatron else ours)
     if to_megatron:
-        if embedding.shape[0] != args["vocab_size"]:
-            _refuse("vocab_size", args["vocab_size"], f"{theirs} has {embedding.shape[0]} rows")
-        dst[ours] = _pad_rows(embedding, args["padded_vocab_size"])
+        if embedding.shape[0] != model_args["vocab_size"]:
+            _refuse("vocab_size", model_args["vocab_size"], f"{theirs} has {embedding.shape[0]} rows")
+        dst[ours] = _pad_rows(embedding, model_args["padded_vocab_size"])
     else:
-        dst[theirs] = embedding = embedding[: args["vocab_size"]].clone()
+        dst[theirs] = embedding = embedding[: model_args["vocab_size"]].clone()
     if arch == "llama":
-        _llama_layers(src, dst, args, to_megatron)
+        _llama_layers(src, dst, model_args, to_megatron)
         _copy(src, dst, [("decoder.final_layernorm.weight", "model.norm.weight", False)], to_megatron)
     else:
-        _gpt2_layers(src, dst, args, to_megatron)
+        _gpt2_layers(src, dst, model_args, to_megatron)
         _copy(src, dst, _GPT2_GLOBAL, to_megatron)
-    _output_layer(src, dst, args, embedding, to_megatron)
+    _output_layer(src, dst, model_args, embedding, to_megatron)
     src.finish()
     return dst
 

@@ -89,7 +89,7 @@ def tensor_parallel_linears(model) -> list:
 def _plain_linear_forward(layers: list):
     """Each tensor-parallel linear layer's forward without its torch.autograd.Function: under inference
     mode the Function only runs its forward, but its Python wrapping costs about as much as a decode
-    step's matmuls on a small model (with the skips below, 256 tokens on the default model: 0.57 s to 0.41 s).
+    step's matmuls on a small model (measured: benchmarks/results/cpu_costs.md).
     The layers' own communication (gathers, all-reduces) stays where megatron-core puts it, outside.
     A column-parallel layer's input copy (copy_to_tensor_model_parallel_region: the identity forward,
     an all-reduce of the input gradient backward) is skipped as its ``disable_grad_reduce`` does:

@@ -217,10 +217,11 @@ def validate_fp8(args) -> None:
             "they hold whole, which needs --optimizer muon or another matrix optimizer (split matrices would need "
             "an amax all-reduce)"
         )
-    from ...precision import Fp8Config, check_shape
+    from ...precision import check_shape
+    from ..configs import fp8_config_from_args
 
     try:
-        config = Fp8Config.from_args(args)
+        config = fp8_config_from_args(args)
     except (NotImplementedError, ValueError) as err:
         _fail(str(err))
     _validate_bf16_layers(args, config)

@@ -7,6 +7,7 @@ per-call charges. What this shows: the torch.distributed calls per unit operatio
 bytes in and out (held against runtime/traffic.py's prediction from the layout), the busiest rank
 against ZeRO-3's bytes per rank, and the largest buffer a gather or reduction allocates. What it
 cannot show: time, NCCL's algorithm and protocol choice, the concurrency of grouped calls.
+tools/plan.py --traffic prints it; tests/unit/test_traffic_at_scale.py checks it at cluster scale.
 """
 
 from __future__ import annotations
@@ -19,9 +20,9 @@ import torch.distributed as dist
 
 from ..groups import ProcessGroups
 from ..placement.layout import Plan, UnitLayout
-from ..runtime.comm import SegmentComm
-from ..runtime.traffic import busiest, gather_links, owner_parts, reduce_links, zero3_bytes
-from .workers import count_collectives
+from .call_log import count_collectives
+from .comm import SegmentComm
+from .traffic import busiest, gather_links, owner_parts, reduce_links, zero3_bytes
 
 
 @dataclass
