@@ -157,7 +157,11 @@ def main() -> None:
         flags, world_sizes = CASES[name]
         case_args, specs = case_specs(f"{flags} {args.ns_flags}")
         if args.split_qkv_owners != "whole":
-            specs = split_qkv_owners(specs, args.split_qkv_owners, NewtonSchulzCost.of(case_args))
+            specs = split_qkv_owners(
+                specs,
+                args.split_qkv_owners,
+                NewtonSchulzCost(case_args.muon_num_ns_steps, case_args.muon_ns_dtype, case_args.muon_ns_algorithm),
+            )
         if args.cost == "leading-term":
             specs = leading_term(specs)
         print(

@@ -358,11 +358,6 @@ class NewtonSchulzCost:
             raise ValueError(f"unknown Newton-Schulz dtype {self.dtype!r} (--muon-ns-dtype); choose one of bf16, fp32")
         _check_algorithm(self.algorithm)
 
-    @classmethod
-    def of(cls, args, on_cpu: bool = False) -> NewtonSchulzCost:
-        """From parsed flags (--muon-num-ns-steps, --muon-ns-dtype, --muon-ns-algorithm)."""
-        return cls(args.muon_num_ns_steps, args.muon_ns_dtype, args.muon_ns_algorithm, on_cpu)
-
     def multiply_adds(self, shape: Sequence[int]) -> int:
         dtype = NS_DTYPES[self.dtype]
         gram = uses_gram(shape, self.steps, dtype, self.algorithm)
