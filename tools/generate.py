@@ -15,6 +15,7 @@ stored --tokenizer-* flags describe (override them with the same flags).
 
 import argparse
 import sys
+import warnings
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -129,6 +130,18 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     if args.batch_size < 1:
         sys.exit(f"generate.py: error: --batch-size must be >= 1, got {args.batch_size}")
+    # megatron-core's fallback warnings: one line at the end (-W or PYTHONWARNINGS: Python's own output)
+    with warnings.catch_warnings(record=not sys.warnoptions) as caught:
+        try:
+            return run(args)
+        finally:
+            from megatron_mfsdp.compat.fallbacks import report
+
+            report(caught, "generate.py")
+
+
+def run(args) -> int:
+    """Load, decode and print (rank 0), as the module docstring says."""
     import torch
     import torch.distributed as dist
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -266,6 +267,19 @@ def traffic_table(rows, w: int, order: str, dtypes, count: int) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # megatron-core's fallback warnings (its import, even for --help): one line at the end
+    # (-W or PYTHONWARNINGS: Python's own output)
+    with warnings.catch_warnings(record=not sys.warnoptions) as caught:
+        try:
+            return run(argv)
+        finally:
+            from megatron_mfsdp.compat.fallbacks import report
+
+            report(caught, "tools/plan.py")
+
+
+def run(argv: list[str] | None = None) -> int:
+    """Parse, plan and print the report (and the traffic with --traffic)."""
     args = parse(argv)
     specs, plan = plan_from_args(args)
     print(report(args, specs, plan))

@@ -14,6 +14,7 @@ this file only parses flags.
 
 import argparse
 import sys
+import warnings
 
 EPILOG = (
     "mfsdp (Megatron-LM's core, and its old name mcore) is --ckpt-format torch_dist (Megatron-LM's layout: "
@@ -130,6 +131,18 @@ def _check(args, convert_lib) -> tuple[str, str, list[str]]:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    # megatron-core's fallback warnings: one line at the end (-W or PYTHONWARNINGS: Python's own output)
+    with warnings.catch_warnings(record=not sys.warnoptions) as caught:
+        try:
+            return run(args)
+        finally:
+            from megatron_mfsdp.compat.fallbacks import report
+
+            report(caught, "convert.py")
+
+
+def run(args) -> int:
+    """Check the names, convert, print the one-line result (or the error, returning 2)."""
     import torch
 
     from megatron_mfsdp.checkpoint import convert as convert_lib
