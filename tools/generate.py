@@ -140,6 +140,15 @@ def main(argv=None) -> int:
             report(caught, "generate.py")
 
 
+def _eager_fusions() -> None:
+    """On a CPU, megatron-core's fused bias-activation and friends run eagerly, as pretrain_gpt.py's
+    --disable-jit-fuser runs them: compiling them (inductor, at their first call) took 7 of the 17 s
+    of the quick start's 32-token sample, more than a short decode gains back."""
+    from megatron.core import jit
+
+    jit.disable_jit_fuser()  # megatron_mfsdp's deferred compile (compat/jit.py) then calls them as they are
+
+
 def run(args) -> int:
     """Load, decode and print (rank 0), as the module docstring says."""
     import torch
@@ -154,6 +163,8 @@ def run(args) -> int:
         sys.exit(f"generate.py: error: {err}")
     if torch.cuda.is_available():
         model.cuda()
+    else:
+        _eager_fusions()
     model.eval()
     tokenizer, error = _tokenizer(args, stored)
     prompts, vocab = _prompts(args, tokenizer, error), _vocab_size(stored)
