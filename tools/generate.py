@@ -142,8 +142,8 @@ def main(argv=None) -> int:
 
 def _eager_fusions() -> None:
     """On a CPU, megatron-core's fused bias-activation and friends run eagerly, as pretrain_gpt.py's
-    --disable-jit-fuser runs them: compiling them (inductor, at their first call) took 7 of the 17 s
-    of the quick start's 32-token sample, more than a short decode gains back."""
+    --disable-jit-fuser runs them: compiling them (inductor, at their first call) costs more than a
+    short decode gains back, same tokens (benchmarks/results/startup.md)."""
     from megatron.core import jit
 
     jit.disable_jit_fuser()  # megatron_mfsdp's deferred compile (compat/jit.py) then calls them as they are
