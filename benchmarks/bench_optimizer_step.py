@@ -401,13 +401,14 @@ def _batched_config(name: str, ns_dtype: str):
     )
 
 
-def _batched_pieces(rule, config, count: int, shape, seed: int = 0):
+def _batched_pieces(rule, config, count: int, shape, device: str, seed: int = 0):
     from megatron_mfsdp.optim.rule import OwnedPiece
 
     g = torch.Generator().manual_seed(seed)
     pieces = []
     for i in range(count):
-        master, grad = torch.randn(shape, generator=g) * 0.02, torch.randn(shape, generator=g) * 1e-3
+        master = (torch.randn(shape, generator=g) * 0.02).to(device)
+        grad = (torch.randn(shape, generator=g) * 1e-3).to(device)
         piece = OwnedPiece(f"e{i}", f"e{i}", rule.name, master.numel(), 0, master, grad, param_shape=tuple(shape))
         piece.state = rule.init_state(piece, rule.settings_in(config))
         pieces.append(piece)
@@ -418,18 +419,22 @@ def _timed_steps(rule, config, pieces, batched: bool, repeats: int) -> list[floa
     from megatron_mfsdp.optim import matrix
     from megatron_mfsdp.optim.rule import StepContext
 
-    on, matrix.BATCHED_ON["cpu"] = matrix.BATCHED_ON["cpu"], batched
+    device = pieces[0].master.device.type
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    on, matrix.BATCHED_ON[device] = matrix.BATCHED_ON[device], batched
     try:
         times = []
         for step in range(1, repeats + 2):  # step 1 untimed (SOAP's eigh, first-touch allocations)
             ctx = StepContext(config, step, config.lr, 0.1, settings=rule.settings_in(config))
+            sync()
             t0 = time.perf_counter()
             rule.step(pieces, ctx)
+            sync()
             if step > 1:
                 times.append(time.perf_counter() - t0)
         return times
     finally:
-        matrix.BATCHED_ON["cpu"] = on
+        matrix.BATCHED_ON[device] = on
 
 
 def run_batched(args) -> list[dict]:
@@ -440,7 +445,7 @@ def run_batched(args) -> list[dict]:
         rule = registry.optimizer_rule(config.optimizer)
         runs = {}
         for batched in (False, True):
-            pieces = _batched_pieces(rule, config, args.batched_count, tuple(args.batched_shape))
+            pieces = _batched_pieces(rule, config, args.batched_count, tuple(args.batched_shape), args.device)
             start = [p.master.clone() for p in pieces]
             runs[batched] = (
                 statistics.median(_timed_steps(rule, config, pieces, batched, args.batched_repeats)),
@@ -465,7 +470,7 @@ def run_batched(args) -> list[dict]:
         )
     shape = "x".join(map(str, args.batched_shape))
     print(
-        f"\n=== batched directions: {args.batched_count} matrices of {shape} on one owner, "
+        f"\n=== batched directions: {args.batched_count} matrices of {shape} on one owner ({args.device}), "
         f"{torch.get_num_threads()} thread(s), Newton-Schulz {args.ns_dtype}, "
         f"median of {args.batched_repeats} steps ==="
     )
@@ -480,7 +485,7 @@ def run_batched(args) -> list[dict]:
         )
     for r in out:
         print(
-            f"BATCHED rule={r['rule'].replace(' ', ':')} count={args.batched_count} shape={shape} "
+            f"BATCHED rule={r['rule'].replace(' ', ':')} device={args.device} count={args.batched_count} shape={shape} "
             f"loop_ms={r['loop_ms']:.2f} batched_ms={r['batched_ms']:.2f} "
             f"loop_over_batched={r['loop_ms'] / r['batched_ms']:.3f} max_diff={r['diff']:.3e} "
             f"diff_over_step={r['diff'] / r['moved']:.3e} bitwise={r['bitwise']}"
@@ -630,6 +635,7 @@ def parse_args(argv=None):
     p.add_argument("--batched-count", type=int, default=64, help="same-shape matrices on the owner")
     p.add_argument("--batched-shape", type=int, nargs=2, default=[512, 1408], metavar=("ROWS", "COLS"))
     p.add_argument("--batched-repeats", type=int, default=3, help="timed steps each way (after an untimed one)")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="--batched: where the matrices live")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--timeout", type=float, default=1800, help="seconds per world size")
     p.add_argument("--quick", action="store_true", help="tiny config for a CI smoke run (< 60 s)")

@@ -10,8 +10,8 @@
 # and the commands that use it (generate, train more, export to Hugging Face), paths filled in.
 # As Megatron-LM's --save DIR --load DIR on one folder: a second run continues from that
 # checkpoint (a first line says which); --no-load (this script's option, not a pretrain_gpt.py
-# flag) deletes it (iter_*/ and latest_checkpointed_iteration.txt) and trains from scratch; a
-# fresh --output-dir trains from scratch and keeps the old run.
+# flag) moves it aside (to checkpoints.before-DATE, nothing is deleted) and trains from scratch;
+# a fresh --output-dir trains from scratch and keeps the old run.
 #
 # Extra arguments go to pretrain_gpt.py (a later flag wins: --train-iters 10).
 # QUICKSTART_SETUP=0 skips scripts/setup_env.sh (a .venv already set up).
@@ -57,8 +57,9 @@ fi
 run_flags=(--output-dir "$out" --ckpt-format torch_dist --save "$save" --save-interval 300)
 if [ "$no_load" = 1 ]; then
     if [ -f "$tracker" ]; then
-        echo "> quickstart: --no-load: training from scratch; the checkpoint in $save (iteration $(cat "$tracker")) is deleted first"
-        rm -rf "$save"/iter_[0-9]* "$tracker"
+        aside="$save.before-$(date +%Y%m%d-%H%M%S)"
+        echo "> quickstart: --no-load: training from scratch; the checkpoint in $save (iteration $(cat "$tracker")) is moved to $aside"
+        mv "$save" "$aside"
     else
         echo "> quickstart: --no-load: training from scratch, saving the final checkpoint in $save"
     fi

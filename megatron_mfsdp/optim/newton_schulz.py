@@ -330,7 +330,7 @@ def newton_schulz_batched(
     """:func:`newton_schulz` of a stack (B, rows, cols) of same-shape matrices, with batched
     products (``baddbmm``) and per-matrix norms in the same op order. Equal to the per-matrix
     results within fp32 rounding, not bitwise: BLAS may block a batched product differently
-    (by machine and thread count; tests/unit/test_muon_batched.py states the tolerance)."""
+    (by machine and thread count; tests/unit/test_batched_directions.py states the tolerance)."""
     if grads.dim() != 3:
         raise ValueError(f"newton_schulz_batched expects a (batch, rows, cols) stack, got {tuple(grads.shape)}")
     schedule = ns_coefficients_for(coefficient_type, steps)

@@ -53,7 +53,7 @@ def _iteration(folder) -> int:
 def test_quickstart_leaves_a_checkpoint_a_sample_and_commands_that_run_as_printed(tmp_path):
     """First run (from another folder: a `cd` is printed), then each printed command; training
     more continues from the checkpoint, and so does running that command again (nothing left to
-    train); --no-load deletes the checkpoint and starts from scratch."""
+    train); --no-load moves the checkpoint aside and starts from scratch."""
     run = tmp_path / "run"
     first = _quickstart(tmp_path, "--output-dir", str(run), *SHORT)
     assert first.splitlines()[0].startswith(f"> quickstart: training from scratch (no checkpoint in {run}/checkpoints")
@@ -87,11 +87,11 @@ def test_quickstart_leaves_a_checkpoint_a_sample_and_commands_that_run_as_printe
     assert "iteration        " not in again and _iteration(run) == 8
 
     fresh = _quickstart(ROOT, "--output-dir", str(run), *SHORT, "--train-iters", "2", "--no-load")
-    assert fresh.splitlines()[0] == (
-        f"> quickstart: --no-load: training from scratch; the checkpoint in {run}/checkpoints (iteration 8) "
-        "is deleted first"
-    )
-    assert "successfully loaded" not in fresh and _iteration(run) == 2  # not 8: the old one is gone
+    first_line = f"> quickstart: --no-load: training from scratch; the checkpoint in {run}/checkpoints (iteration 8) "
+    assert fresh.splitlines()[0].startswith(first_line + f"is moved to {run}/checkpoints.before-")
+    assert "successfully loaded" not in fresh and _iteration(run) == 2  # not 8: the old one is aside
+    (aside,) = run.glob("checkpoints.before-*")
+    assert (aside / "latest_checkpointed_iteration.txt").read_text().strip() == "8"  # nothing lost
     assert "--no-load" not in _more(fresh)  # training more continues from the new checkpoint
 
 
