@@ -38,8 +38,12 @@ for its bias correction, is ``step - 1``. What fp32 cannot resolve is then decid
   space: directions no gradient has reached, or reached below fp32's resolution). Those columns are
   replaced by a fixed completion of the resolved ones: the leading eigenvectors of ``P D P``, P the
   projector onto the unresolved space and D = diag(dim, ..., 1) / dim in the parameter's coordinates,
-  a continuous function of the resolved columns. Only a rank-deficient refresh pays for it (one more
-  eigh); the planner's cost leaves it out, as it leaves out the first step's eigh.
+  a continuous function of the resolved columns. Only a rank-deficient refresh pays for it (a complete
+  QR and an eigh of the unresolved dimension); the planner's cost leaves it out, as it leaves out the
+  first step's eigh. Under KL-Shampoo a rectangular matrix's long side stays unresolved for its first
+  ~150 steps (a 96 x 32 matrix, gradients of 1e-2: step 1's weights, of a zero factor, are
+  1 / (dim eps), so its term outweighs the later ones by ~1e8 until the EMA forgets it, in Megatron-LM's
+  order too); plain Shampoo factors for ceil(long / short) steps.
 - The sort by estimated eigenvalue counts the estimates below the resolution as equal (a stable sort
   keeps their order), and KL-Shampoo's weights clamp the estimates at the resolution (not only at
   eps), so unresolved directions weigh the same whatever rounding made of them.
@@ -234,16 +238,17 @@ def eigh_descending(factor: Tensor) -> tuple[Tensor, Tensor]:
 def complete_(basis: Tensor, kept: Tensor) -> Tensor:
     """``basis`` with its columns outside ``kept`` replaced by the fixed completion of the kept ones (the
     module docstring): the leading eigenvectors of ``P D P``, P the projector onto the kept columns'
-    orthogonal complement, D = diag(dim, ..., 1) / dim. In place; returned."""
+    orthogonal complement, D = diag(dim, ..., 1) / dim, found as ``N V`` with N any orthonormal basis
+    of the complement (a complete QR's last columns) and V the eigenvectors of ``N^T D N`` (the same
+    for every N). In place; returned."""
     missing = int((~kept).sum())
     if missing == 0:
         return basis
     dim = basis.shape[0]
-    resolved = basis[:, kept]
-    projector = torch.eye(dim, dtype=basis.dtype, device=basis.device) - resolved @ resolved.T
+    complement = torch.linalg.qr(basis[:, kept], mode="complete").Q[:, dim - missing :]
     ramp = torch.arange(dim, 0, -1, dtype=basis.dtype, device=basis.device) / dim
-    weighted = (projector * ramp) @ projector
-    basis[:, ~kept] = eigh_descending((weighted + weighted.T) / 2)[1][:, :missing]
+    weighted = complement.T @ (complement * ramp[:, None])
+    basis[:, ~kept] = complement @ eigh_descending((weighted + weighted.T) / 2)[1]
     return basis
 
 
