@@ -9,6 +9,8 @@ optimizer (training loss, smoothed over 10 iterations, and the validation points
 
     .venv/bin/python benchmarks/bench_quality.py                       # 6 optimizers x 3 lr x 300 iterations
     .venv/bin/python benchmarks/bench_quality.py --quick               # CI smoke: 2 optimizers, 1 lr, 6 iterations
+    .venv/bin/python benchmarks/bench_quality.py --optimizers soap --flags="--soap-basis current" --out /tmp/q.md
+                                                                       # a variant: its rows, flags in the name
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import contextlib
 import io
 import os
 import pathlib
+import shlex
 import sys
 import tempfile
 import time
@@ -53,12 +56,12 @@ def _worker(rank, world_size, argv):
         return pretrain(parse_args(list(argv), world_size=world_size))
 
 
-def run(optimizer: str, lr: float, iters: int, eval_interval: int, eval_iters: int, out_dir: str) -> dict:
+def run(optimizer: str, lr: float, iters: int, eval_interval: int, eval_iters: int, out_dir: str, flags=()) -> dict:
     from megatron_mfsdp.testing import run_workers
 
     argv = [
         *MODEL, "--optimizer", optimizer, "--lr", str(lr), "--train-iters", str(iters),
-        "--eval-interval", str(eval_interval), "--eval-iters", str(eval_iters), "--output-dir", out_dir,
+        "--eval-interval", str(eval_interval), "--eval-iters", str(eval_iters), "--output-dir", out_dir, *flags,
     ]  # fmt: skip
     start = time.perf_counter()
     history = run_workers(2, _worker, argv, threads=1, fresh=True, timeout=3600)[-1]
@@ -101,8 +104,12 @@ def main(argv=None) -> int:
     p.add_argument("--eval-iters", type=int, default=10)
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "quality.md"))
     p.add_argument("--quick", action="store_true", help="smoke: adam and soap, their middle lr, 6 iterations")
+    p.add_argument(
+        "--flags", default="", help="more pretrain flags for every run (a variant, e.g. '--soap-basis current')"
+    )
     args = p.parse_args(argv)
     sweeps = {o: SWEEPS[o] for o in args.optimizers}
+    flags, variant = shlex.split(args.flags), f" ({args.flags})" if args.flags else ""
     if args.quick:
         sweeps = {o: SWEEPS[o][1:2] for o in ("adam", "soap")}
         args.train_iters, args.eval_interval, args.eval_iters = 6, 3, 1
@@ -111,10 +118,14 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for optimizer, lrs in sweeps.items():
             for lr in lrs:
-                r = run(optimizer, lr, args.train_iters, args.eval_interval, args.eval_iters, f"{tmp}/{optimizer}-{lr}")
+                out_dir = f"{tmp}/{optimizer}-{lr}"
+                r = run(optimizer, lr, args.train_iters, args.eval_interval, args.eval_iters, out_dir, flags)
                 results[(optimizer, lr)] = r
                 final = r["history"]["valid"][-1][1]
-                print(f"RUN optimizer={optimizer} lr={lr:g} final_valid_loss={final:.4f} seconds={r['seconds']:.0f}")
+                seconds = r["seconds"]
+                print(
+                    f"RUN optimizer={optimizer}{variant} lr={lr:g} final_valid_loss={final:.4f} seconds={seconds:.0f}"
+                )
                 sys.stdout.flush()
     best = {}
     for optimizer in sweeps:
@@ -131,7 +142,7 @@ def main(argv=None) -> int:
         cells += [""] * (3 - len(cells))
         (b_lr,) = [lr for o, lr in best if o == optimizer]
         lines.append(
-            f"| {optimizer} | "
+            f"| {optimizer}{variant} | "
             + " | ".join(cells)
             + f" | {b_lr:g} | {best[(optimizer, b_lr)]['history']['valid'][-1][1]:.4f} |"
         )
@@ -142,7 +153,7 @@ def main(argv=None) -> int:
     out.write_text(text)
     plot(best, out.with_suffix(".png"))
     for (optimizer, lr), r in best.items():
-        print(f"BEST optimizer={optimizer} lr={lr:g} final_valid_loss={r['history']['valid'][-1][1]:.4f}")
+        print(f"BEST optimizer={optimizer}{variant} lr={lr:g} final_valid_loss={r['history']['valid'][-1][1]:.4f}")
     print(f"wrote {out} and {out.with_suffix('.png')}")
     return 0
 

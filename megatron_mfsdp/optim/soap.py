@@ -21,6 +21,36 @@ Megatron-LM refreshes every step; ``--soap-precondition-frequency`` refreshes ev
 ``--soap-max-precond-dim`` keeps no factor: its basis is the identity, and under KL-Shampoo its
 factor counts as the identity (the other side's correction is ``I / dim``). Factors, eigh and QR run
 in fp32 on the matrix's owner (eigh falls back to fp64 where fp32 fails, as Emerging-Optimizers).
+
+The order above (``--soap-basis current``) is Megatron-LM's, and its first steps follow the gradient's
+rounding: at step 1 the basis is the gradient's own singular vectors, so ``Q_L^T G Q_R`` is diagonal
+but for fp32 rounding, and while a factor is rank-deficient (a rectangular matrix's long side) the
+gradient's components on its null space are rounding too; Adam's bias-corrected first step divides
+each entry by its own magnitude, so rounding becomes +-1. The default, ``--soap-basis previous``, is
+the SOAP paper's order (its reference code, github.com/nikhilvyas/SOAP soap.py ``step``): the gradient
+is projected into the basis built from the gradients before it, then the factors and the basis take
+it; step 1 has no basis yet and makes no update (direction 0, the moments stay 0), so Adam's count,
+for its bias correction, is ``step - 1``. What fp32 cannot resolve is then decided without rounding:
+
+- A factor K's resolution is ``dim * eps_fp32 * ||K||_F``, the size of the rounding of a product with K.
+- Where an eigenvalue (the first refresh's eigh) or a pivot (later refreshes: ``|R_jj|`` of the power
+  iteration's QR) is below it, that column of the basis is not determined by the factor (its null
+  space: directions no gradient has reached, or reached below fp32's resolution). Those columns are
+  replaced by a fixed completion of the resolved ones: the leading eigenvectors of ``P D P``, P the
+  projector onto the unresolved space and D = diag(dim, ..., 1) / dim in the parameter's coordinates,
+  a continuous function of the resolved columns. Only a rank-deficient refresh pays for it (a complete
+  QR and an eigh of the unresolved dimension); the planner's cost leaves it out, as it leaves out the
+  first step's eigh. Under KL-Shampoo a rectangular matrix's long side stays unresolved for its first
+  ~150 steps (a 96 x 32 matrix, gradients of 1e-2: step 1's weights, of a zero factor, are
+  1 / (dim eps), so its term outweighs the later ones by ~1e8 until the EMA forgets it, in Megatron-LM's
+  order too); plain Shampoo factors for ceil(long / short) steps.
+- The sort by estimated eigenvalue counts the estimates below the resolution as equal (a stable sort
+  keeps their order), and KL-Shampoo's weights clamp the estimates at the resolution (not only at
+  eps), so unresolved directions weigh the same whatever rounding made of them.
+
+Measured in tests/unit/test_soap_math.py (``test_update_follows_the_gradient_not_its_rounding``): a
+1e-7 relative change of the gradients moves Megatron-LM's update by 130% at step 1 and up to 10x at
+steps 2-3 of a rank-deficient start; the default's by at most a few 1e-4 at every step.
 """
 
 from __future__ import annotations
@@ -36,6 +66,8 @@ from .matrix import MatrixMath, matrix_rule, tp_mode_field
 NAME = "soap"
 SIDES = (("L", "Q_L"), ("R", "Q_R"))
 """(factor, basis) state names of the row side (m x m) and the column side (n x n)."""
+BASES = ("previous", "current")
+"""--soap-basis: the basis a step projects its gradient into (the module docstring)."""
 
 
 @dataclass
@@ -62,6 +94,17 @@ class SoapSettings:
         },
     )
     tp_mode: str = tp_mode_field("soap", "SOAP")
+    soap_basis: str = field(
+        default="previous",
+        metadata={
+            "choices": BASES,
+            "help": "the eigenbasis each gradient is projected into. previous (default): the basis of the "
+            "gradients before it, the SOAP paper's order (its step 1 makes no update), with the directions fp32 "
+            "cannot resolve given a fixed basis rather than one made of rounding; current: the basis updated with "
+            "the gradient first, Megatron-LM's (Emerging-Optimizers') order and numbers, whose first steps follow "
+            "the gradient's rounding",
+        },
+    )
 
     def __post_init__(self):
         if not 0 <= self.soap_shampoo_beta < 1:
@@ -72,6 +115,8 @@ class SoapSettings:
         ):
             if value < 1:
                 raise ValueError(f"{flag} must be >= 1, got {value}")
+        if self.soap_basis not in BASES:
+            raise ValueError(f"--soap-basis must be one of {', '.join(BASES)}, got {self.soap_basis!r}")
 
 
 @dataclass(frozen=True)
@@ -115,34 +160,52 @@ def shampoo_beta(beta: float, step: int) -> float:
     return 1 - (1 - beta) / (1 - beta**step)
 
 
-def kl_weights(state: dict[str, Tensor], side: int, dim: int, eps: float, like: Tensor) -> Tensor:
+def resolution(factor: Tensor) -> Tensor:
+    """``dim * eps * ||K||_F`` of a factor K: the size of the rounding of a product with it, below which
+    its eigenvalues, estimates and QR pivots are not resolved (the module docstring; the rank tolerance
+    of numpy's matrix_rank, with the Frobenius norm to bound the products' rounding)."""
+    return torch.linalg.matrix_norm(factor) * factor.shape[0] * torch.finfo(factor.dtype).eps
+
+
+def estimates(state: dict[str, Tensor], side: int) -> Tensor:
+    """A factor's eigenvalues estimated in its basis, ``diag(Q^T K Q)``."""
+    factor, basis = SIDES[side]
+    q = state[basis]
+    return (q * (state[factor] @ q)).sum(0)
+
+
+def kl_weights(
+    state: dict[str, Tensor], side: int, dim: int, eps: float, like: Tensor, resolved: bool = False
+) -> Tensor:
     """KL-Shampoo's weights of one side, ``1 / (dim * max(l, eps))`` with l = diag(Q^T K Q), its
     factor's eigenvalues estimated in its basis before this step's update; ``1 / dim`` on a side with
-    no factor (the identity)."""
-    factor, basis = SIDES[side]
+    no factor (the identity). ``resolved`` (--soap-basis previous) clamps l at the factor's
+    :func:`resolution` too, so that unresolved directions weigh the same."""
+    factor, _ = SIDES[side]
     if factor not in state:
         return like.new_full((dim,), 1.0 / dim)
-    q = state[basis]
-    eigenvalues = (q * (state[factor] @ q)).sum(0)
-    return 1 / (dim * eigenvalues.clamp_min(eps))
+    floor = max(eps, float(resolution(state[factor]))) if resolved else eps
+    return 1 / (dim * estimates(state, side).clamp_min(floor))
 
 
-def factor_terms(grad: Tensor, state: dict[str, Tensor], kl: bool, eps: float) -> dict[str, Tensor]:
+def factor_terms(
+    grad: Tensor, state: dict[str, Tensor], kl: bool, eps: float, resolved: bool = False
+) -> dict[str, Tensor]:
     """This step's new term of each factor (step 1 of the module docstring), both computed before
     either factor moves: G G^T and G^T G, or KL-Shampoo's ``B diag(w_R) B^T`` with B = G Q_R and
-    ``A^T diag(w_L) A`` with A = Q_L^T G."""
+    ``A^T diag(w_L) A`` with A = Q_L^T G (``resolved``: :func:`kl_weights`)."""
     rows, cols = grad.shape
     terms = {}
     if "L" in state:
         if kl:
             b = grad @ state["Q_R"] if "Q_R" in state else grad
-            terms["L"] = (b * kl_weights(state, 1, cols, eps, grad)) @ b.T
+            terms["L"] = (b * kl_weights(state, 1, cols, eps, grad, resolved)) @ b.T
         else:
             terms["L"] = grad @ grad.T
     if "R" in state:
         if kl:
             a = state["Q_L"].T @ grad if "Q_L" in state else grad
-            terms["R"] = (a.T * kl_weights(state, 0, rows, eps, grad)) @ a
+            terms["R"] = (a.T * kl_weights(state, 0, rows, eps, grad, resolved)) @ a
         else:
             terms["R"] = grad.T @ grad
     return terms
@@ -150,31 +213,79 @@ def factor_terms(grad: Tensor, state: dict[str, Tensor], kl: bool, eps: float) -
 
 def eigenvectors(factor: Tensor) -> Tensor:
     """Eigenvectors by descending eigenvalue (``torch.linalg.eigh``; in fp64 where fp32 fails)."""
+    return eigh_descending(factor)[1]
+
+
+def eigh_descending(factor: Tensor) -> tuple[Tensor, Tensor]:
+    """Eigenvalues and eigenvectors by descending eigenvalue (``torch.linalg.eigh``; in fp64 where fp32
+    fails, as Emerging-Optimizers' eigh_with_fallback)."""
     try:
-        _, vectors = torch.linalg.eigh(factor)
+        values, vectors = torch.linalg.eigh(factor)
     except (torch.linalg.LinAlgError, RuntimeError):
-        _, vectors = torch.linalg.eigh(factor.double())
-        vectors = vectors.to(factor.dtype)
-    return vectors.flip(-1)
+        values, vectors = torch.linalg.eigh(factor.double())
+        values, vectors = values.to(factor.dtype), vectors.to(factor.dtype)
+    return values.flip(-1), vectors.flip(-1)
 
 
-def refresh_(state: dict[str, Tensor], first: bool) -> None:
+def complete_(basis: Tensor, kept: Tensor) -> Tensor:
+    """``basis`` with its columns outside ``kept`` replaced by the fixed completion of the kept ones (the
+    module docstring): the leading eigenvectors of ``P D P``, P the projector onto the kept columns'
+    orthogonal complement, D = diag(dim, ..., 1) / dim, found as ``N V`` with N any orthonormal basis
+    of the complement (a complete QR's last columns) and V the eigenvectors of ``N^T D N`` (the same
+    for every N). In place; returned."""
+    missing = int((~kept).sum())
+    if missing == 0:
+        return basis
+    dim = basis.shape[0]
+    complement = torch.linalg.qr(basis[:, kept], mode="complete").Q[:, dim - missing :]
+    ramp = torch.arange(dim, 0, -1, dtype=basis.dtype, device=basis.device) / dim
+    weighted = complement.T @ (complement * ramp[:, None])
+    basis[:, ~kept] = complement @ eigh_descending((weighted + weighted.T) / 2)[1]
+    return basis
+
+
+def resolved_eigenbasis(factor: Tensor) -> Tensor:
+    """The first refresh of --soap-basis previous: eigh, the eigenvectors of eigenvalues below the
+    factor's :func:`resolution` completed (:func:`complete_`)."""
+    values, vectors = eigh_descending(factor)
+    return complete_(vectors.contiguous(), values > resolution(factor))
+
+
+def resolved_qr(power: Tensor, factor: Tensor) -> Tensor:
+    """A later refresh of --soap-basis previous: QR of the power iteration ``K Q``; where a pivot
+    ``|R_jj|`` is below the factor's :func:`resolution`, QR of the resolved columns alone, the rest
+    completed (:func:`complete_`)."""
+    q, r = torch.linalg.qr(power)
+    kept = r.diagonal().abs() > resolution(factor)
+    if bool(kept.all()):
+        return q
+    basis = torch.empty_like(q)
+    basis[:, kept] = torch.linalg.qr(power[:, kept]).Q
+    return complete_(basis, kept)
+
+
+def refresh_(state: dict[str, Tensor], first: bool, resolved: bool = False) -> None:
     """Step 2 of the module docstring, in place: eigh of the factors at the first step; later, each
     basis sorted by its factor's estimated eigenvalues (the second moment permuted alike) and refined by
-    one QR power iteration, the first moment rotated from the old basis to the new one."""
+    one QR power iteration, the first moment rotated from the old basis to the new one. ``resolved``
+    (--soap-basis previous): what fp32 cannot resolve decided without rounding (the module docstring)."""
     if first:  # the moments are still zero: nothing to rotate or permute
         for factor, basis in SIDES:
             if factor in state:
-                state[basis].copy_(eigenvectors(state[factor]))
+                new = resolved_eigenbasis(state[factor]) if resolved else eigenvectors(state[factor])
+                state[basis].copy_(new)
         return
     exp_avg = project_back(state["exp_avg"], state)
     for side, (factor, basis) in enumerate(SIDES):
         if factor in state:
-            q = state[basis]
-            power = state[factor] @ q
-            order = torch.argsort((q * power).sum(0), descending=True, stable=True)
+            q, k = state[basis], state[factor]
+            power = k @ q
+            est = (q * power).sum(0)
+            if resolved:  # estimates below the resolution count as equal: the stable sort keeps their order
+                est = est.clamp_min(resolution(k))
+            order = torch.argsort(est, descending=True, stable=True)
             state["exp_avg_sq"].copy_(state["exp_avg_sq"].index_select(side, order))
-            q.copy_(torch.linalg.qr(power[:, order]).Q)
+            q.copy_(resolved_qr(power[:, order], k) if resolved else torch.linalg.qr(power[:, order]).Q)
     state["exp_avg"].copy_(project(exp_avg, state))
 
 
@@ -183,21 +294,39 @@ def refreshes(step: int, frequency: int) -> bool:
     return (step - 1) % frequency == 0
 
 
-def direction(grad: Tensor, state: dict[str, Tensor], hyper: SoapStep, step: int) -> Tensor:
-    """One SOAP step of one matrix (the module docstring's steps 1-3): the update direction, the state
-    updated in place. The shell applies decoupled weight decay and the learning rate."""
-    s = hyper.settings
-    beta = shampoo_beta(s.soap_shampoo_beta, step)
-    for name, term in factor_terms(grad, state, s.soap_use_kl_shampoo, hyper.eps).items():
-        state[name].lerp_(term, 1 - beta)
-    if refreshes(step, s.soap_precondition_frequency):
-        refresh_(state, first=step == 1)
+def adam_in_basis(grad: Tensor, state: dict[str, Tensor], hyper: SoapStep, count: int) -> Tensor:
+    """Step 3 of the module docstring: Adam on the gradient projected into the current basis, its
+    moments' ``count``-th update (bias correction), projected back."""
     projected = project(grad, state)
     state["exp_avg"].lerp_(projected, 1 - hyper.beta1)
     state["exp_avg_sq"].lerp_(projected.square(), 1 - hyper.beta2)
-    m_hat = state["exp_avg"] / (1 - hyper.beta1**step)
-    v_hat = state["exp_avg_sq"] / (1 - hyper.beta2**step)
+    m_hat = state["exp_avg"] / (1 - hyper.beta1**count)
+    v_hat = state["exp_avg_sq"] / (1 - hyper.beta2**count)
     return project_back(m_hat / (v_hat.sqrt() + hyper.eps), state)
+
+
+def update_basis_(grad: Tensor, state: dict[str, Tensor], hyper: SoapStep, step: int, resolved: bool) -> None:
+    """Steps 1 and 2 of the module docstring: the factors take ``grad``, then the basis is refreshed on
+    refresh steps."""
+    s = hyper.settings
+    beta = shampoo_beta(s.soap_shampoo_beta, step)
+    for name, term in factor_terms(grad, state, s.soap_use_kl_shampoo, hyper.eps, resolved).items():
+        state[name].lerp_(term, 1 - beta)
+    if refreshes(step, s.soap_precondition_frequency):
+        refresh_(state, first=step == 1, resolved=resolved)
+
+
+def direction(grad: Tensor, state: dict[str, Tensor], hyper: SoapStep, step: int) -> Tensor:
+    """One SOAP step of one matrix: the update direction, the state updated in place. --soap-basis
+    current (Megatron-LM's order): factors and basis take the gradient, then Adam in the new basis;
+    previous (the paper's, the default): Adam in the basis so far (none at step 1: direction 0), then
+    factors and basis take the gradient. The shell applies decoupled weight decay and the learning rate."""
+    if hyper.settings.soap_basis == "current":
+        update_basis_(grad, state, hyper, step, resolved=False)
+        return adam_in_basis(grad, state, hyper, step)
+    out = torch.zeros_like(grad) if step == 1 else adam_in_basis(grad, state, hyper, step - 1)
+    update_basis_(grad, state, hyper, step, resolved=True)
+    return out
 
 
 def qr_multiply_adds(dim: int) -> int:
@@ -209,7 +338,8 @@ def qr_multiply_adds(dim: int) -> int:
 def step_multiply_adds(shape: Sequence[int], settings: SoapSettings) -> tuple[int, int]:
     """(every step, each refresh) multiply-adds of one (m, n) matrix: the matrix products
     :func:`direction` runs (tests/unit/test_soap_math.py counts them) plus, in a refresh, one
-    :func:`qr_multiply_adds` per preconditioned side. The first step's eigh (once a run) is left out.
+    :func:`qr_multiply_adds` per preconditioned side. The first step's eigh (once a run) is left out,
+    and so is --soap-basis previous's completion of a rank-deficient refresh (:func:`complete_`).
     Every step: the factor terms (m n (m + n); twice that plus the factors' K Q under KL-Shampoo), the
     gradient into the basis and the update out of it (2 m n (m + n)); a refresh: the first moment out
     and back in (2 m n (m + n)), K Q and QR per side."""

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from ..compat.collectives import all_gather_single
 from ..groups import group_rank, group_size
-from . import control, launch, logging, memory, schedule, steps
+from . import control, launch, logging, memory, schedule, steps, threads
 
 
 def initialize_distributed(args) -> bool:
@@ -26,8 +26,7 @@ def initialize_distributed(args) -> bool:
         os.environ.setdefault("WORLD_SIZE", "1")
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+        threads.configure_threads()  # OMP_NUM_THREADS where the user set it, else cores / local ranks
         dist.init_process_group(
             args.distributed_backend, timeout=datetime.timedelta(minutes=args.distributed_timeout_minutes)
         )
@@ -138,6 +137,7 @@ def _set_up(args):
     connections = launch.configure_cuda_connections(args)  # before set_device creates the CUDA context
     owns = initialize_distributed(args)
     logging.print_rank0(connections)
+    logging.print_rank0(threads.startup_line(threads.decide_here() if owns else None))
     for notice in args.notices:
         logging.print_rank0(f"> notice: {notice}")
     logging.set_logging_level(args)

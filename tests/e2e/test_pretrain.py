@@ -13,6 +13,7 @@ def test_pretrain_dp2_matrix_fsdp_log_lines_parse_and_resume(tmp_path):
     assert int(lines[-1].group(3)) == 40  # consumed samples
     assert VALIDATION_LINE.search(proc.stdout)
     assert "MatrixFSDP plan: 5 units over 2 DP ranks" in proc.stdout  # tied embedding is its own unit
+    assert "> intra-op threads per process: 1 (OMP_NUM_THREADS=1)" in proc.stdout  # run_pretrain's setting
     assert (tmp_path / "out" / "loss_curve.png").stat().st_size > 1000
     assert (save / "latest_checkpointed_iteration.txt").read_text() == "5"
 

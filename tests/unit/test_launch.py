@@ -131,4 +131,5 @@ def test_pretrain_decides_before_cuda_is_initialised_and_prints_the_line(monkeyp
     monkeypatch.setattr(loop.logging, "print_rank0", lambda *a: calls.append(a))
     with pytest.raises(_Stop):
         loop._set_up(SimpleNamespace(notices=_StopAtNotices()))
-    assert calls == ["configure", "initialize", ("> line",)]
+    assert calls[:3] == ["configure", "initialize", ("> line",)]
+    assert calls[3][0].startswith("> intra-op threads per process: ") and len(calls) == 4  # training/threads.py

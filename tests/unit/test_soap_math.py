@@ -1,12 +1,15 @@
 """SOAP's math on one matrix (megatron_mfsdp/optim/soap.py) against pytorch_optimizer 4.1.0's SOAP
 (kozistr; Vyas et al.'s reference code) and a float64 formula of KL-Shampoo.
 
-pytorch_optimizer's SOAP is the paper's code, not Emerging-Optimizers' (Megatron-LM's) variant that
-ours follows. The differences, and how the tests line them up:
+pytorch_optimizer's SOAP is the paper's code. Ours has two orders (--soap-basis): ``previous``, the
+default, is the paper's (:func:`test_previous_basis_is_pytorch_optimizers_order` compares step by step,
+and :func:`test_update_follows_the_gradient_not_its_rounding` shows why it is the default); ``current``
+is Emerging-Optimizers' (Megatron-LM's), which the other comparisons check (``MEGATRON``). The
+differences, and how the tests line them up:
 
 - Its first call only starts the factors and the eigh basis (no update), and each later call uses the
-  basis of the gradients before its own (refreshed after the update); ours (Megatron-LM's) updates the
-  factors and the basis first, then steps. With no refresh (``precondition_frequency`` past the run)
+  basis of the gradients before its own (refreshed after the update); ours in Megatron-LM's order
+  updates the factors and the basis first, then steps. With no refresh (``precondition_frequency`` past the run)
   the basis is the first gradient's in both: feeding it [G1, G1, G2, ...] against our [G1, G2, ...]
   makes its update k ours (:func:`test_fixed_basis_matches_pytorch_optimizer`). With refreshes the
   order cannot be lined up through ``step()``, so :func:`test_refresh_matches_pytorch_optimizer_parts`
@@ -48,6 +51,7 @@ from megatron_mfsdp.testing import optimizer_config
 BETA1, BETA2, EPS, STEPS = 0.9, 0.95, 1e-4, 5
 MEGATRON_EPS = 1e-8  # --adam-eps's default
 TOL, FIRST_TOL = 2e-5, 1e-3
+MEGATRON = {"soap_basis": "current"}  # Megatron-LM's order, not the default
 SHAPES = [(48, 32), (32, 64)]
 KINDS = ["random", "low_rank"]
 
@@ -108,6 +112,7 @@ def test_fixed_basis_matches_pytorch_optimizer(shape, kind, max_dim):
     grads = _grads(shape, kind)
     theirs = _theirs_fixed_basis(grads, max_dim)
     frozen = dict(soap_precondition_frequency=10 * STEPS, soap_max_precond_dim=max_dim, soap_use_kl_shampoo=False)
+    frozen.update(MEGATRON)
     rels = _rels(_ours(grads, _hyper(**frozen)), theirs)
     assert rels[0] <= FIRST_TOL and max(rels[1:]) <= TOL, rels
     assert min(_rels(_ours(grads, _hyper(beta1=0.5, **frozen)), theirs)[1:]) > 100 * TOL  # negative control
@@ -145,10 +150,104 @@ def test_refresh_matches_pytorch_optimizer_parts(shape, kind, frequency):
     """Refreshing every step (Megatron-LM) or every other one, plain Shampoo factors: ours equals
     Megatron-LM's order run on pytorch_optimizer's parts; a wrong shampoo beta there does not."""
     grads = _grads(shape, kind, seed=1)
-    ours = _ours(grads, _hyper(soap_precondition_frequency=frequency, soap_use_kl_shampoo=False))
+    ours = _ours(grads, _hyper(soap_precondition_frequency=frequency, soap_use_kl_shampoo=False, **MEGATRON))
     rel = _rel(ours, _theirs_in_our_order(grads, frequency, 0.95))
     assert rel <= TOL, rel
     assert max(_rels(ours, _theirs_in_our_order(grads, frequency, 0.5))[1:]) > 100 * TOL  # negative control
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("frequency", [1, 2])
+def test_previous_basis_is_pytorch_optimizers_order(shape, frequency):
+    """--soap-basis previous (the default) runs the SOAP paper's order, as pytorch_optimizer's SOAP does:
+    fed the same gradients, neither updates at step 1, and every later update is its own (the refreshes
+    after steps 1, 1 + frequency, ...); Megatron-LM's order (the negative control) is not. Plain factors
+    (it has no KL-Shampoo); the longer side above --soap-max-precond-dim 40, so that the factor kept is
+    full rank and well conditioned from step 1 (where one is not, ours completes the columns fp32 cannot
+    resolve and its eigh keeps rounding: :func:`test_update_follows_the_gradient_not_its_rounding`).
+    Its first update is Adam's first, x / (|x| + eps), which magnifies the two implementations' rounding
+    (FIRST_TOL; measured 5.7e-5); it keeps the first moment in the parameter's basis and ours in the
+    eigenbasis, so that difference decays through the first moment (5 TOL; measured 7.5e-5, 4e-5, ...)."""
+    grads = _grads(shape, "random", steps=6, seed=3)
+    p = torch.nn.Parameter(torch.zeros(shape))
+    opt = SOAP([p], lr=1.0, betas=(BETA1, BETA2), shampoo_beta=0.95, weight_decay=0.0, eps=EPS)
+    opt.param_groups[0].update(precondition_frequency=frequency, max_precondition_dim=40)
+    theirs = []
+    for call, g in enumerate(grads, 1):
+        opt.param_groups[0]["eps"] = EPS * (1 - BETA2 ** max(call - 1, 1)) ** 0.5  # Adam's count: call - 1
+        before, p.grad = p.detach().clone(), g.clone()
+        opt.step()
+        theirs.append(before - p.detach())
+    settings = dict(soap_precondition_frequency=frequency, soap_max_precond_dim=40, soap_use_kl_shampoo=False)
+    ours = _ours(grads, _hyper(**settings))
+    assert not ours[0].any() and not theirs[0].any()
+    rels = _rels(ours[1:], theirs[1:])  # measured up to 5.7e-5, 7.5e-5 then decaying (see the docstring)
+    assert rels[0] <= FIRST_TOL and max(rels[1:]) <= 5 * TOL, rels
+    assert min(_rels(_ours(grads, _hyper(**settings, **MEGATRON))[1:], theirs[1:])) > 100 * TOL
+
+
+SENSITIVITY = [((32, 64), None), ((64, 32), None), ((64, 64), 16), ((48, 48), None)]
+"""(shape, rank of each step's gradient; None: Gaussian, full rank): the rectangular ones and the
+square one with rank-16 gradients start rank-deficient (2, 2 and 4 steps); the Gaussian square one does not."""
+
+
+def _sensitivity(shape, rank, basis: str, seed: int, steps: int = 6) -> list[float]:
+    """Per step, ||u' - u|| / ||u|| of SOAP's updates (defaults: KL-Shampoo, a refresh every step, eps
+    1e-8) when every gradient changes by 1e-7 relative (0 where u is 0: step 1 of previous)."""
+    g = torch.Generator().manual_seed(seed)
+    if rank is None:
+        grads = [torch.randn(shape, generator=g) * 1e-2 for _ in range(steps)]
+    else:
+        grads = [torch.randn(shape[0], rank, generator=g) @ torch.randn(rank, shape[1], generator=g) * 1e-2]
+        grads += [torch.randn(shape[0], rank, generator=g) @ torch.randn(rank, shape[1], generator=g) * 1e-2
+                  for _ in range(steps - 1)]  # fmt: skip
+    moved = [x * (1 + 1e-7 * torch.randn(shape, generator=g)) for x in grads]
+    hyper = _hyper(eps=MEGATRON_EPS, soap_basis=basis)
+    return [float((b - a).norm() / a.norm()) if a.any() else float(b.norm()) for a, b in
+            zip(_ours(grads, hyper), _ours(moved, hyper))]  # fmt: skip
+
+
+@pytest.mark.parametrize("shape,rank", SENSITIVITY)
+def test_update_follows_the_gradient_not_its_rounding(shape, rank):
+    """Every gradient changed by 1e-7 relative (about an ulp): under the default (--soap-basis previous)
+    the update moves by less than 1e-3 at every step; under Megatron-LM's order (current) by O(1) at
+    step 1, the rounding of a diagonal ``Q_L^T G Q_R`` normalised by Adam's first step. Worst over
+    seeds 0-4, steps 1..6 (measured):
+
+    shape (gradient rank)  current (Megatron-LM), steps 1..6            previous (the default), steps 1..6
+    32 x 64                1.3, 31, 2.5, 0.85, 0.59, 0.50               0, 2.7e-5, 3.9e-4, 2.3e-5, 3.2e-5, 1.6e-5
+    64 x 32                1.3, 7.5, 1.1, 0.80, 0.62, 0.52              0, 1.6e-5, 7.6e-5, 1.4e-5, 1.4e-5, 8.7e-6
+    64 x 64 (rank 16)      1.4, 4.0, 100, 16, 1.1, 0.85                 0, 9.0e-5, 8.6e-5, 1.2e-4, 5.1e-5, 3.1e-5
+    48 x 48                1.3, 1.6e-4, 1.6e-4, 1.1e-4, 6.9e-5, 4.3e-5  0, 2.0e-4, 2.2e-4, 1.4e-4, 8.8e-5, 5.6e-5
+
+    Not covered, in either order: an eigenvalue just above fp32's resolution has an eigenvector that
+    rounding decides (G G^T of a Gaussian 64 x 64, sigma_min^2 / sigma_max^2 ~ 1e-5: previous 1.3e-3 at
+    step 2, current 2.8e-3), and plain Shampoo factors (--no-soap-use-kl-shampoo), less well conditioned
+    than KL-Shampoo's, move previous's update by 1e-2 to 6e-2 from step 4 or 5 on (32 x 96, 64 x 64
+    rank 16, Gaussian 64 x 64; current: 0.03 to 1.9e3 throughout), by < 4.1e-4 in float64."""
+    for seed in range(3):
+        previous = _sensitivity(shape, rank, "previous", seed)
+        assert previous[0] == 0 and max(previous) < 1e-3, (seed, previous)
+    assert _sensitivity(shape, rank, "current", 0)[0] > 0.5  # Megatron-LM's step 1: rounding, normalised
+
+
+def test_previous_basis_first_step_and_completion():
+    """--soap-basis previous, step 1 of a 32 x 64 matrix: direction 0, the moments still 0, the factors
+    and bases set (a well-defined state to checkpoint). The column side's factor has rank 32: its basis
+    is orthonormal, its first 32 columns span the gradient's rows, the other 32 are the completion (not
+    eigh's rounding), on which KL-Shampoo's next weights are all equal."""
+    grad = _grads((32, 64), "random", steps=1)[0]
+    hyper = _hyper(eps=MEGATRON_EPS)
+    state = soap.init((32, 64), hyper.settings)
+    assert not soap.direction(grad, state, hyper, 1).any()
+    assert not state["exp_avg"].any() and not state["exp_avg_sq"].any() and state["R"].any()
+    q = state["Q_R"]
+    assert torch.allclose(q.T @ q, torch.eye(64), atol=1e-5)
+    assert (grad @ q[:, 32:]).norm() < 1e-5 * grad.norm()
+    weights = soap.kl_weights(state, 1, 64, MEGATRON_EPS, grad, resolved=True)
+    assert torch.equal(weights[32:], weights[32:].max().expand(32)) and weights[32:].min() > 1e3 * weights[:32].max()
+    complete = soap.complete_(q.clone(), torch.arange(64) < 32)
+    assert torch.equal(complete, q)  # the completion is a function of the resolved columns alone
 
 
 def _conditioned_state(shape, max_dim: int, seed: int) -> dict[str, torch.Tensor]:
@@ -206,7 +305,7 @@ def test_kl_shampoo_step_matches_float64_formula(shape, max_dim):
     expected = _kl_step_float64(grad, _conditioned_state(shape, max_dim, 3), t=4)
     for kl, close in ((True, True), (False, False)):
         state = _conditioned_state(shape, max_dim, 3)
-        hyper = _hyper(eps=MEGATRON_EPS, soap_max_precond_dim=max_dim, soap_use_kl_shampoo=kl)
+        hyper = _hyper(eps=MEGATRON_EPS, soap_max_precond_dim=max_dim, soap_use_kl_shampoo=kl, **MEGATRON)
         ours = soap.direction(grad, state, hyper, 4)
         rel = _rel([ours.double()], [expected])
         assert (rel <= TOL) == close, (kl, rel)
@@ -219,7 +318,7 @@ def test_first_step_normalises_rounding():
     grad = _grads((48, 32), "random", steps=1)[0]
     off = ~torch.eye(48, 32, dtype=torch.bool)
     for eps, low, high in ((MEGATRON_EPS, 0.1, 1.0), (1e-4, 0.0, 1e-2)):
-        hyper = _hyper(eps=eps)
+        hyper = _hyper(eps=eps, **MEGATRON)
         state = soap.init((48, 32), hyper.settings)
         update = soap.direction(grad, state, hyper, 1)
         projected = state["Q_L"].T @ grad @ state["Q_R"]
@@ -233,7 +332,7 @@ def test_kl_weights_of_a_rank_deficient_factor():
     its 16 null directions by 1 / (48 max(rounding, eps)), at least 1e5 times its range directions':
     from step 2 on, rectangular matrices' factors follow fp32 rounding (Megatron-LM's SOAP too)."""
     grad = _grads((48, 32), "random", steps=1)[0]
-    hyper = _hyper(eps=MEGATRON_EPS)
+    hyper = _hyper(eps=MEGATRON_EPS, **MEGATRON)
     state = soap.init((48, 32), hyper.settings)
     soap.direction(grad, state, hyper, 1)
     expected = grad @ grad.T / (32 * MEGATRON_EPS)
@@ -248,7 +347,7 @@ def test_side_above_max_precond_dim_keeps_identity_basis():
     grads = _grads((48, 32), "random")
     state = soap.init((48, 32), soap.SoapSettings(soap_max_precond_dim=40))
     assert set(state) == {"exp_avg", "exp_avg_sq", "R", "Q_R"}
-    hyper = _hyper(soap_max_precond_dim=16)
+    hyper = _hyper(soap_max_precond_dim=16, **MEGATRON)
     state = soap.init((48, 32), hyper.settings)
     m, v = torch.zeros(48, 32), torch.zeros(48, 32)
     for t, g in enumerate(grads, 1):
@@ -258,10 +357,12 @@ def test_side_above_max_precond_dim_keeps_identity_basis():
     assert set(state) == {"exp_avg", "exp_avg_sq"}
 
 
-def test_basis_stays_between_refreshes():
+@pytest.mark.parametrize("basis", soap.BASES)
+def test_basis_stays_between_refreshes(basis):
     """--soap-precondition-frequency 3: the bases change at steps 1 and 4 only (bitwise the same in
-    between), the factors every step."""
-    hyper = _hyper(soap_precondition_frequency=3)
+    between), the factors every step, the moments every step but the first of --soap-basis previous
+    (no update at step 1: they stay zero)."""
+    hyper = _hyper(soap_precondition_frequency=3, soap_basis=basis)
     state = soap.init((48, 32), hyper.settings)
     changed = []
     for t, g in enumerate(_grads((48, 32), "random", steps=7), 1):
@@ -269,7 +370,9 @@ def test_basis_stays_between_refreshes():
         soap.direction(g, state, hyper, t)
         changed.append({k for k in state if not torch.equal(before[k], state[k])})
     assert [("Q_L" in c, "Q_R" in c) for c in changed] == [(t in (1, 4, 7),) * 2 for t in range(1, 8)]
-    assert all({"L", "R", "exp_avg", "exp_avg_sq"} <= c for c in changed)
+    assert all({"L", "R"} <= c for c in changed)
+    moments = [{"exp_avg", "exp_avg_sq"} <= c for c in changed]
+    assert moments == [basis == "current" or t > 1 for t in range(1, 8)]
 
 
 def _matmul_multiply_adds(fn, *args) -> int:
@@ -283,7 +386,9 @@ def _matmul_multiply_adds(fn, *args) -> int:
 def test_planner_cost_counts_the_products(shape, kl, max_dim):
     """step_multiply_adds is what direction's matrix products count (torch's FlopCounterMode) plus
     the QR estimates; cost amortises the refresh over the frequency; state_bytes is the state's bytes."""
-    settings = soap.SoapSettings(soap_use_kl_shampoo=kl, soap_precondition_frequency=2, soap_max_precond_dim=max_dim)
+    settings = soap.SoapSettings(
+        soap_use_kl_shampoo=kl, soap_precondition_frequency=2, soap_max_precond_dim=max_dim, **MEGATRON
+    )
     hyper, state = soap.SoapStep(settings, BETA1, BETA2, EPS), soap.init(shape, settings)
     every, refresh = soap.step_multiply_adds(shape, settings)
     qr = sum(soap.qr_multiply_adds(d) for d, side in zip(shape, ("L", "R")) if side in state)
@@ -302,6 +407,7 @@ def test_settings_refused_with_their_flag():
         ("soap_shampoo_beta", 1.0, "--soap-shampoo-beta"),
         ("soap_precondition_frequency", 0, "--soap-precondition-frequency"),
         ("soap_max_precond_dim", 0, "--soap-max-precond-dim"),
+        ("soap_basis", "paper", "--soap-basis"),
     ):
         with pytest.raises(ValueError, match=flag):
             soap.SoapSettings(**{field: value})
