@@ -142,9 +142,10 @@ def init(shape, settings: SoapSettings) -> dict[str, Tensor]:
 
 
 def project(x: Tensor, state: dict[str, Tensor]) -> Tensor:
-    """``Q_L^T x Q_R``: into the eigenbasis (an absent side is the identity)."""
+    """``Q_L^T x Q_R``: into the eigenbasis (an absent side is the identity). Every function here takes one
+    matrix, or a (B, rows, cols) stack with its state stacked alike (:func:`batched`)."""
     if "Q_L" in state:
-        x = state["Q_L"].T @ x
+        x = state["Q_L"].mT @ x
     return x @ state["Q_R"] if "Q_R" in state else x
 
 
@@ -152,7 +153,7 @@ def project_back(x: Tensor, state: dict[str, Tensor]) -> Tensor:
     """``Q_L x Q_R^T``: back to the parameter's basis."""
     if "Q_L" in state:
         x = state["Q_L"] @ x
-    return x @ state["Q_R"].T if "Q_R" in state else x
+    return x @ state["Q_R"].mT if "Q_R" in state else x
 
 
 def shampoo_beta(beta: float, step: int) -> float:
@@ -164,14 +165,14 @@ def resolution(factor: Tensor) -> Tensor:
     """``dim * eps * ||K||_F`` of a factor K: the size of the rounding of a product with it, below which
     its eigenvalues, estimates and QR pivots are not resolved (the module docstring; the rank tolerance
     of numpy's matrix_rank, with the Frobenius norm to bound the products' rounding)."""
-    return torch.linalg.matrix_norm(factor) * factor.shape[0] * torch.finfo(factor.dtype).eps
+    return torch.linalg.matrix_norm(factor) * factor.shape[-1] * torch.finfo(factor.dtype).eps
 
 
 def estimates(state: dict[str, Tensor], side: int) -> Tensor:
     """A factor's eigenvalues estimated in its basis, ``diag(Q^T K Q)``."""
     factor, basis = SIDES[side]
     q = state[basis]
-    return (q * (state[factor] @ q)).sum(0)
+    return (q * (state[factor] @ q)).sum(-2)
 
 
 def kl_weights(
@@ -184,7 +185,7 @@ def kl_weights(
     factor, _ = SIDES[side]
     if factor not in state:
         return like.new_full((dim,), 1.0 / dim)
-    floor = max(eps, float(resolution(state[factor]))) if resolved else eps
+    floor = resolution(state[factor]).clamp_min(eps).unsqueeze(-1) if resolved else eps
     return 1 / (dim * estimates(state, side).clamp_min(floor))
 
 
@@ -194,20 +195,20 @@ def factor_terms(
     """This step's new term of each factor (step 1 of the module docstring), both computed before
     either factor moves: G G^T and G^T G, or KL-Shampoo's ``B diag(w_R) B^T`` with B = G Q_R and
     ``A^T diag(w_L) A`` with A = Q_L^T G (``resolved``: :func:`kl_weights`)."""
-    rows, cols = grad.shape
+    rows, cols = grad.shape[-2:]
     terms = {}
     if "L" in state:
         if kl:
             b = grad @ state["Q_R"] if "Q_R" in state else grad
-            terms["L"] = (b * kl_weights(state, 1, cols, eps, grad, resolved)) @ b.T
+            terms["L"] = (b * kl_weights(state, 1, cols, eps, grad, resolved).unsqueeze(-2)) @ b.mT
         else:
-            terms["L"] = grad @ grad.T
+            terms["L"] = grad @ grad.mT
     if "R" in state:
         if kl:
-            a = state["Q_L"].T @ grad if "Q_L" in state else grad
-            terms["R"] = (a.T * kl_weights(state, 0, rows, eps, grad, resolved)) @ a
+            a = state["Q_L"].mT @ grad if "Q_L" in state else grad
+            terms["R"] = (a.mT * kl_weights(state, 0, rows, eps, grad, resolved).unsqueeze(-2)) @ a
         else:
-            terms["R"] = grad.T @ grad
+            terms["R"] = grad.mT @ grad
     return terms
 
 
@@ -246,22 +247,40 @@ def complete_(basis: Tensor, kept: Tensor) -> Tensor:
 
 def resolved_eigenbasis(factor: Tensor) -> Tensor:
     """The first refresh of --soap-basis previous: eigh, the eigenvectors of eigenvalues below the
-    factor's :func:`resolution` completed (:func:`complete_`)."""
+    factor's :func:`resolution` completed (:func:`complete_`; per matrix of a stack)."""
     values, vectors = eigh_descending(factor)
-    return complete_(vectors.contiguous(), values > resolution(factor))
+    kept = values > resolution(factor).unsqueeze(-1)
+    if factor.dim() == 2:
+        return complete_(vectors.contiguous(), kept)
+    vectors = vectors.contiguous()
+    for i in (~kept).any(-1).nonzero().flatten().tolist():
+        complete_(vectors[i], kept[i])
+    return vectors
 
 
 def resolved_qr(power: Tensor, factor: Tensor) -> Tensor:
     """A later refresh of --soap-basis previous: QR of the power iteration ``K Q``; where a pivot
     ``|R_jj|`` is below the factor's :func:`resolution`, QR of the resolved columns alone, the rest
-    completed (:func:`complete_`)."""
+    completed (:func:`complete_`; per matrix of a stack, the rest of the stack's QR kept)."""
     q, r = torch.linalg.qr(power)
-    kept = r.diagonal().abs() > resolution(factor)
+    kept = r.diagonal(dim1=-2, dim2=-1).abs() > resolution(factor).unsqueeze(-1)
     if bool(kept.all()):
+        return q
+    if power.dim() == 3:
+        for i in (~kept).any(-1).nonzero().flatten().tolist():
+            q[i] = resolved_qr(power[i], factor[i])
         return q
     basis = torch.empty_like(q)
     basis[:, kept] = torch.linalg.qr(power[:, kept]).Q
     return complete_(basis, kept)
+
+
+def permuted(x: Tensor, order: Tensor, axis: int) -> Tensor:
+    """``x`` with its rows (``axis`` -2) or columns (-1) in ``order``; per matrix of a stack."""
+    if x.dim() == 2:
+        return x.index_select(axis + 2, order)
+    index = order.unsqueeze(-1 if axis == -2 else -2).expand_as(x)
+    return torch.gather(x, axis, index)
 
 
 def refresh_(state: dict[str, Tensor], first: bool, resolved: bool = False) -> None:
@@ -280,12 +299,13 @@ def refresh_(state: dict[str, Tensor], first: bool, resolved: bool = False) -> N
         if factor in state:
             q, k = state[basis], state[factor]
             power = k @ q
-            est = (q * power).sum(0)
+            est = (q * power).sum(-2)
             if resolved:  # estimates below the resolution count as equal: the stable sort keeps their order
-                est = est.clamp_min(resolution(k))
-            order = torch.argsort(est, descending=True, stable=True)
-            state["exp_avg_sq"].copy_(state["exp_avg_sq"].index_select(side, order))
-            q.copy_(resolved_qr(power[:, order], k) if resolved else torch.linalg.qr(power[:, order]).Q)
+                est = est.clamp_min(resolution(k).unsqueeze(-1))
+            order = torch.argsort(est, dim=-1, descending=True, stable=True)
+            state["exp_avg_sq"].copy_(permuted(state["exp_avg_sq"], order, side - 2))
+            power = permuted(power, order, -1)
+            q.copy_(resolved_qr(power, k) if resolved else torch.linalg.qr(power).Q)
     state["exp_avg"].copy_(project(exp_avg, state))
 
 
@@ -326,6 +346,18 @@ def direction(grad: Tensor, state: dict[str, Tensor], hyper: SoapStep, step: int
         return adam_in_basis(grad, state, hyper, step)
     out = torch.zeros_like(grad) if step == 1 else adam_in_basis(grad, state, hyper, step - 1)
     update_basis_(grad, state, hyper, step, resolved=True)
+    return out
+
+
+def batched(grads: Tensor, states: Sequence[dict[str, Tensor]], hyper: SoapStep, step: int) -> Tensor:
+    """:func:`direction` of a (B, rows, cols) stack of same-shape matrices (MatrixMath.batched): each state
+    tensor stacked, the rotations, factor terms, QR and eigh run as stacked products (a rank-deficient
+    refresh completes its unresolved columns per matrix), the state written back."""
+    stacked = {name: torch.stack([s[name] for s in states]) for name in states[0]}
+    out = direction(grads, stacked, hyper, step)
+    for i, s in enumerate(states):
+        for name, tensor in s.items():
+            tensor.copy_(stacked[name][i])
     return out
 
 
@@ -377,7 +409,7 @@ def step_hyper(settings: SoapSettings, config) -> SoapStep:
 
 RULE = matrix_rule(
     NAME,
-    MatrixMath(init=init, direction=direction, hyper=step_hyper),
+    MatrixMath(init=init, direction=direction, hyper=step_hyper, batched=batched),
     settings=SoapSettings,
     cost=cost,
     state_bytes=state_bytes,

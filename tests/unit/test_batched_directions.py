@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megatron_mfsdp.optim import adamw, adaptive_muon, matrix
+from megatron_mfsdp.optim import adamw, adaptive_muon, matrix, soap
 from megatron_mfsdp.optim.rule import OwnedPiece, StepContext
 from megatron_mfsdp.testing import optimizer_config
 
@@ -38,6 +38,11 @@ CONFIGS = {
             "rule_settings": {"adaptive_muon": adaptive_muon.AdaptiveMuonSettings("normuon")},
         },
         {"muon_ns_dtype": "fp32"},
+    ),
+    "soap": ({"optimizer": "soap"}, {}),
+    "soap megatron-lm order": (
+        {"optimizer": "soap", "rule_settings": {"soap": soap.SoapSettings(soap_basis="current")}},
+        {},
     ),
 }
 
