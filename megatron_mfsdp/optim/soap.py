@@ -22,15 +22,16 @@ Megatron-LM refreshes every step; ``--soap-precondition-frequency`` refreshes ev
 factor counts as the identity (the other side's correction is ``I / dim``). Factors, eigh and QR run
 in fp32 on the matrix's owner (eigh falls back to fp64 where fp32 fails, as Emerging-Optimizers).
 
-The order above (``--soap-basis current``) is Megatron-LM's, and its first steps follow the gradient's
-rounding: at step 1 the basis is the gradient's own singular vectors, so ``Q_L^T G Q_R`` is diagonal
-but for fp32 rounding, and while a factor is rank-deficient (a rectangular matrix's long side) the
-gradient's components on its null space are rounding too; Adam's bias-corrected first step divides
-each entry by its own magnitude, so rounding becomes +-1. The default, ``--soap-basis previous``, is
-the SOAP paper's order (its reference code, github.com/nikhilvyas/SOAP soap.py ``step``): the gradient
-is projected into the basis built from the gradients before it, then the factors and the basis take
-it; step 1 has no basis yet and makes no update (direction 0, the moments stay 0), so Adam's count,
-for its bias correction, is ``step - 1``. What fp32 cannot resolve is then decided without rounding:
+The order above (``--soap-basis current``, the default) is Megatron-LM's, and its first steps follow
+the gradient's rounding: at step 1 the basis is the gradient's own singular vectors, so
+``Q_L^T G Q_R`` is diagonal but for fp32 rounding, and while a factor is rank-deficient (a rectangular
+matrix's long side) the gradient's components on its null space are rounding too; Adam's
+bias-corrected first step divides each entry by its own magnitude, so rounding becomes +-1.
+``--soap-basis previous`` is the SOAP paper's order (its reference code, github.com/nikhilvyas/SOAP
+soap.py ``step``): the gradient is projected into the basis built from the gradients before it, then
+the factors and the basis take it; step 1 has no basis yet and makes no update (direction 0, the
+moments stay 0), so Adam's count, for its bias correction, is ``step - 1``. What fp32 cannot resolve
+is then decided without rounding:
 
 - A factor K's resolution is ``dim * eps_fp32 * ||K||_F``, the size of the rounding of a product with K.
 - Where an eigenvalue (the first refresh's eigh) or a pivot (later refreshes: ``|R_jj|`` of the power
@@ -41,16 +42,25 @@ for its bias correction, is ``step - 1``. What fp32 cannot resolve is then decid
   a continuous function of the resolved columns. Only a rank-deficient refresh pays for it (a complete
   QR and an eigh of the unresolved dimension); the planner's cost leaves it out, as it leaves out the
   first step's eigh. Under KL-Shampoo a rectangular matrix's long side stays unresolved for its first
-  ~150 steps (a 96 x 32 matrix, gradients of 1e-2: step 1's weights, of a zero factor, are
-  1 / (dim eps), so its term outweighs the later ones by ~1e8 until the EMA forgets it, in Megatron-LM's
-  order too); plain Shampoo factors for ceil(long / short) steps.
+  ~150 steps (measured on a 96 x 32 matrix, gradients of 1e-2); plain Shampoo factors for
+  ceil(long / short) steps. In either order, step 1's KL weights, of a zero factor, are 1 / (dim eps):
+  that 96 x 32 matrix's L is then G G^T / (32 eps), largest eigenvalue 7e4, and step 2's term is
+  ~1e-8, below its fp32 rounding (its 33rd eigenvalue is 3e-3, rounding) until the EMA forgets step 1.
 - The sort by estimated eigenvalue counts the estimates below the resolution as equal (a stable sort
   keeps their order), and KL-Shampoo's weights clamp the estimates at the resolution (not only at
   eps), so unresolved directions weigh the same whatever rounding made of them.
 
 Measured in tests/unit/test_soap_math.py (``test_update_follows_the_gradient_not_its_rounding``): a
-1e-7 relative change of the gradients moves Megatron-LM's update by 130% at step 1 and up to 10x at
-steps 2-3 of a rank-deficient start; the default's by at most a few 1e-4 at every step.
+1e-7 relative change of the gradients moves Megatron-LM's update by 130% at step 1 and up to 100x at
+steps 2-3 of a rank-deficient start; ``previous``'s by at most 4e-4 at every step (KL-Shampoo).
+
+Why ``current`` stays the default: on benchmarks/bench_quality.py (benchmarks/results/quality.md)
+``previous`` reached a best validation loss of 4.69 against ``current``'s 4.52. Under KL-Shampoo a
+rectangular matrix's long side is mostly unresolved for its first ~150 steps (above): there
+Megatron-LM's basis is made of rounding, new at every refresh, and ``previous``'s is fixed; the fixed one trained
+worse (ablations at lr 3e-3, final validation loss: ``current`` 4.53, the paper's order alone 4.55,
+with the completion and the sort 4.65, with the KL clamp too 4.69; the completion carried over from the
+previous basis instead of recomputed: 4.69; the resolution at sqrt(dim) instead of dim: 4.67).
 """
 
 from __future__ import annotations
@@ -95,14 +105,14 @@ class SoapSettings:
     )
     tp_mode: str = tp_mode_field("soap", "SOAP")
     soap_basis: str = field(
-        default="previous",
+        default="current",
         metadata={
             "choices": BASES,
-            "help": "the eigenbasis each gradient is projected into. previous (default): the basis of the "
-            "gradients before it, the SOAP paper's order (its step 1 makes no update), with the directions fp32 "
-            "cannot resolve given a fixed basis rather than one made of rounding; current: the basis updated with "
-            "the gradient first, Megatron-LM's (Emerging-Optimizers') order and numbers, whose first steps follow "
-            "the gradient's rounding",
+            "help": "the eigenbasis each gradient is projected into. current (default): the basis updated with "
+            "the gradient first, Megatron-LM's (Emerging-Optimizers') order and numbers, whose first steps' update "
+            "follows the gradient's rounding; previous: the basis of the gradients before it, the SOAP paper's order "
+            "(its step 1 makes no update), with the directions fp32 cannot resolve given a fixed basis: the update "
+            "follows the gradient, not its rounding, but trains worse here (benchmarks/results/quality.md)",
         },
     )
 
@@ -338,8 +348,8 @@ def update_basis_(grad: Tensor, state: dict[str, Tensor], hyper: SoapStep, step:
 
 def direction(grad: Tensor, state: dict[str, Tensor], hyper: SoapStep, step: int) -> Tensor:
     """One SOAP step of one matrix: the update direction, the state updated in place. --soap-basis
-    current (Megatron-LM's order): factors and basis take the gradient, then Adam in the new basis;
-    previous (the paper's, the default): Adam in the basis so far (none at step 1: direction 0), then
+    current (Megatron-LM's order, the default): factors and basis take the gradient, then Adam in the new
+    basis; previous (the paper's): Adam in the basis so far (none at step 1: direction 0), then
     factors and basis take the gradient. The shell applies decoupled weight decay and the learning rate."""
     if hyper.settings.soap_basis == "current":
         update_basis_(grad, state, hyper, step, resolved=False)

@@ -155,10 +155,10 @@ def test_soap_flags_reach_the_rule_settings():
 
     flags = [
         *("--soap-shampoo-beta", "0.9", "--no-soap-use-kl-shampoo", "--soap-precondition-frequency", "3"),
-        *("--soap-max-precond-dim", "100", "--soap-tp-mode", "duplicated", "--soap-basis", "current"),
+        *("--soap-max-precond-dim", "100", "--soap-tp-mode", "duplicated", "--soap-basis", "previous"),
     ]
     settings = config_of_args(parse_args([*TINY, *CLI, "--use-matrix-fsdp", *flags], world_size=2)).rule_settings
-    assert settings["soap"] == SoapSettings(0.9, False, 3, 100, "duplicated", "current")
+    assert settings["soap"] == SoapSettings(0.9, False, 3, 100, "duplicated", "previous")
     others = [s for name, s in settings.items() if name != "soap" and hasattr(s, "tp_mode")]
     assert all(s.tp_mode == type(s)().tp_mode for s in others)  # --soap-tp-mode is SOAP's alone
     default = config_of_args(parse_args([*TINY, *CLI, "--use-matrix-fsdp"], world_size=2))

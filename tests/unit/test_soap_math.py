@@ -1,10 +1,10 @@
 """SOAP's math on one matrix (megatron_mfsdp/optim/soap.py) against pytorch_optimizer 4.1.0's SOAP
 (kozistr; Vyas et al.'s reference code) and a float64 formula of KL-Shampoo.
 
-pytorch_optimizer's SOAP is the paper's code. Ours has two orders (--soap-basis): ``previous``, the
-default, is the paper's (:func:`test_previous_basis_is_pytorch_optimizers_order` compares step by step,
-and :func:`test_update_follows_the_gradient_not_its_rounding` shows why it is the default); ``current``
-is Emerging-Optimizers' (Megatron-LM's), which the other comparisons check (``MEGATRON``). The
+pytorch_optimizer's SOAP is the paper's code. Ours has two orders (--soap-basis): ``current``, the
+default, is Emerging-Optimizers' (Megatron-LM's), which the comparisons below check (``MEGATRON``, given
+explicitly); ``previous`` is the paper's (:func:`test_previous_basis_is_pytorch_optimizers_order`
+compares step by step, :func:`test_update_follows_the_gradient_not_its_rounding` shows what it is for). The
 differences, and how the tests line them up:
 
 - Its first call only starts the factors and the eigh basis (no update), and each later call uses the
@@ -51,7 +51,7 @@ from megatron_mfsdp.testing import optimizer_config
 BETA1, BETA2, EPS, STEPS = 0.9, 0.95, 1e-4, 5
 MEGATRON_EPS = 1e-8  # --adam-eps's default
 TOL, FIRST_TOL = 2e-5, 1e-3
-MEGATRON = {"soap_basis": "current"}  # Megatron-LM's order, not the default
+MEGATRON = {"soap_basis": "current"}  # Megatron-LM's order (the default), given explicitly
 SHAPES = [(48, 32), (32, 64)]
 KINDS = ["random", "low_rank"]
 
@@ -159,7 +159,7 @@ def test_refresh_matches_pytorch_optimizer_parts(shape, kind, frequency):
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("frequency", [1, 2])
 def test_previous_basis_is_pytorch_optimizers_order(shape, frequency):
-    """--soap-basis previous (the default) runs the SOAP paper's order, as pytorch_optimizer's SOAP does:
+    """--soap-basis previous runs the SOAP paper's order, as pytorch_optimizer's SOAP does:
     fed the same gradients, neither updates at step 1, and every later update is its own (the refreshes
     after steps 1, 1 + frequency, ...); Megatron-LM's order (the negative control) is not. Plain factors
     (it has no KL-Shampoo); the longer side above --soap-max-precond-dim 40, so that the factor kept is
@@ -179,7 +179,7 @@ def test_previous_basis_is_pytorch_optimizers_order(shape, frequency):
         opt.step()
         theirs.append(before - p.detach())
     settings = dict(soap_precondition_frequency=frequency, soap_max_precond_dim=40, soap_use_kl_shampoo=False)
-    ours = _ours(grads, _hyper(**settings))
+    ours = _ours(grads, _hyper(**settings, soap_basis="previous"))
     assert not ours[0].any() and not theirs[0].any()
     rels = _rels(ours[1:], theirs[1:])  # measured up to 5.7e-5, 7.5e-5 then decaying (see the docstring)
     assert rels[0] <= FIRST_TOL and max(rels[1:]) <= 5 * TOL, rels
@@ -209,12 +209,12 @@ def _sensitivity(shape, rank, basis: str, seed: int, steps: int = 6) -> list[flo
 
 @pytest.mark.parametrize("shape,rank", SENSITIVITY)
 def test_update_follows_the_gradient_not_its_rounding(shape, rank):
-    """Every gradient changed by 1e-7 relative (about an ulp): under the default (--soap-basis previous)
-    the update moves by less than 1e-3 at every step; under Megatron-LM's order (current) by O(1) at
+    """Every gradient changed by 1e-7 relative (about an ulp): under --soap-basis previous the update
+    moves by less than 1e-3 at every step; under Megatron-LM's order (current, the default) by O(1) at
     step 1, the rounding of a diagonal ``Q_L^T G Q_R`` normalised by Adam's first step. Worst over
     seeds 0-4, steps 1..6 (measured):
 
-    shape (gradient rank)  current (Megatron-LM), steps 1..6            previous (the default), steps 1..6
+    shape (gradient rank)  current (Megatron-LM, default), steps 1..6   previous, steps 1..6
     32 x 64                1.3, 31, 2.5, 0.85, 0.59, 0.50               0, 2.7e-5, 3.9e-4, 2.3e-5, 3.2e-5, 1.6e-5
     64 x 32                1.3, 7.5, 1.1, 0.80, 0.62, 0.52              0, 1.6e-5, 7.6e-5, 1.4e-5, 1.4e-5, 8.7e-6
     64 x 64 (rank 16)      1.4, 4.0, 100, 16, 1.1, 0.85                 0, 9.0e-5, 8.6e-5, 1.2e-4, 5.1e-5, 3.1e-5
@@ -237,7 +237,7 @@ def test_previous_basis_first_step_and_completion():
     is orthonormal, its first 32 columns span the gradient's rows, the other 32 are the completion (not
     eigh's rounding), on which KL-Shampoo's next weights are all equal."""
     grad = _grads((32, 64), "random", steps=1)[0]
-    hyper = _hyper(eps=MEGATRON_EPS)
+    hyper = _hyper(eps=MEGATRON_EPS, soap_basis="previous")
     state = soap.init((32, 64), hyper.settings)
     assert not soap.direction(grad, state, hyper, 1).any()
     assert not state["exp_avg"].any() and not state["exp_avg_sq"].any() and state["R"].any()
