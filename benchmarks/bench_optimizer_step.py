@@ -382,21 +382,25 @@ BATCHED_RULES = {
     "adaptive_muon adamuon": {"optimizer": "adaptive_muon"},
     "adaptive_muon normuon": {"optimizer": "adaptive_muon", "adaptive_muon_moment2_method": "normuon"},
     "soap": {"optimizer": "soap"},
+    "soap paper order": {"optimizer": "soap", "soap_basis": "previous"},
 }
 
 
 def _batched_config(name: str, ns_dtype: str):
     from megatron_mfsdp.optim.adaptive_muon import AdaptiveMuonSettings
+    from megatron_mfsdp.optim.soap import SoapSettings
     from megatron_mfsdp.testing import optimizer_config
 
     overrides = dict(BATCHED_RULES[name])
     method = overrides.pop("adaptive_muon_moment2_method", "adamuon")
+    basis = overrides.pop("soap_basis", SoapSettings().soap_basis)
+    settings = {"adaptive_muon": AdaptiveMuonSettings(method), "soap": SoapSettings(soap_basis=basis)}
     return optimizer_config(
         **overrides,
         muon_ns_dtype=ns_dtype,
         muon_coefficient_type="quintic",
         muon_ns_algorithm="auto",
-        rule_settings={"adaptive_muon": AdaptiveMuonSettings(method)},
+        rule_settings=settings,
         lr=1e-3,
     )
 
@@ -454,12 +458,17 @@ def run_batched(args) -> list[dict]:
         loop, stacked = runs[False][1], runs[True][1]
         moved = max((p.master - s).abs().max().item() for p, s in zip(loop, start))
         diff = max((a.master - b.master).abs().max().item() for a, b in zip(loop, stacked))
+        steps = torch.stack([p.master - s for p, s in zip(loop, start)])
+        relative = (
+            torch.stack([b.master for b in stacked]) - torch.stack([a.master for a in loop])
+        ).norm() / steps.norm()
         bitwise = all(
             torch.equal(a.master, b.master) and all(torch.equal(a.state[k], b.state[k]) for k in a.state)
             for a, b in zip(loop, stacked)
         )
         out.append(
             dict(
+                relative=relative.item(),
                 rule=name,
                 loop_ms=runs[False][0] * 1e3,
                 batched_ms=runs[True][0] * 1e3,
@@ -476,19 +485,21 @@ def run_batched(args) -> list[dict]:
     )
     print(
         f"{'rule':<24} {'loop ms':>10} {'batched ms':>11} {'loop/batched':>13} {'max |diff|':>11} "
-        f"{'/ max step':>11} bitwise"
+        f"{'/ max step':>11} {'rel. update':>11} bitwise"
     )
     for r in out:
         print(
             f"{r['rule']:<24} {r['loop_ms']:>10.1f} {r['batched_ms']:>11.1f} {r['loop_ms'] / r['batched_ms']:>13.2f} "
-            f"{r['diff']:>11.2e} {r['diff'] / r['moved']:>11.2e} {'yes' if r['bitwise'] else 'no'}"
+            f"{r['diff']:>11.2e} {r['diff'] / r['moved']:>11.2e} {r['relative']:>11.2e} "
+            f"{'yes' if r['bitwise'] else 'no'}"
         )
     for r in out:
         print(
             f"BATCHED rule={r['rule'].replace(' ', ':')} device={args.device} count={args.batched_count} shape={shape} "
             f"loop_ms={r['loop_ms']:.2f} batched_ms={r['batched_ms']:.2f} "
             f"loop_over_batched={r['loop_ms'] / r['batched_ms']:.3f} max_diff={r['diff']:.3e} "
-            f"diff_over_step={r['diff'] / r['moved']:.3e} bitwise={r['bitwise']}"
+            f"diff_over_step={r['diff'] / r['moved']:.3e} update_relative_diff={r['relative']:.3e} "
+            f"bitwise={r['bitwise']}"
         )
     sys.stdout.flush()
     return out

@@ -227,9 +227,25 @@ def eigenvectors(factor: Tensor) -> Tensor:
     return eigh_descending(factor)[1]
 
 
+def each(decompose, x: Tensor) -> tuple[Tensor, ...]:
+    """``decompose`` (eigh, QR) of a matrix, or of each matrix of a stack, stacked back: a stack's
+    decompositions run one by one (on CUDA a batched QR or eigh of large matrices measured slower than
+    the loop: benchmarks/results/batched_directions.md); only the products around them are stacked."""
+    if x.dim() == 2:
+        return tuple(decompose(x))
+    return tuple(torch.stack(parts) for parts in zip(*(decompose(m) for m in x.unbind(0))))
+
+
+def qr(x: Tensor) -> tuple[Tensor, Tensor]:
+    """``torch.linalg.qr`` (reduced) of a matrix or, one by one, of a stack (:func:`each`)."""
+    return each(torch.linalg.qr, x)
+
+
 def eigh_descending(factor: Tensor) -> tuple[Tensor, Tensor]:
     """Eigenvalues and eigenvectors by descending eigenvalue (``torch.linalg.eigh``; in fp64 where fp32
-    fails, as Emerging-Optimizers' eigh_with_fallback)."""
+    fails, as Emerging-Optimizers' eigh_with_fallback; a stack's one by one, :func:`each`)."""
+    if factor.dim() == 3:
+        return each(eigh_descending, factor)
     try:
         values, vectors = torch.linalg.eigh(factor)
     except (torch.linalg.LinAlgError, RuntimeError):
@@ -272,7 +288,7 @@ def resolved_qr(power: Tensor, factor: Tensor) -> Tensor:
     """A later refresh of --soap-basis previous: QR of the power iteration ``K Q``; where a pivot
     ``|R_jj|`` is below the factor's :func:`resolution`, QR of the resolved columns alone, the rest
     completed (:func:`complete_`; per matrix of a stack, the rest of the stack's QR kept)."""
-    q, r = torch.linalg.qr(power)
+    q, r = qr(power)
     kept = r.diagonal(dim1=-2, dim2=-1).abs() > resolution(factor).unsqueeze(-1)
     if bool(kept.all()):
         return q
@@ -315,7 +331,7 @@ def refresh_(state: dict[str, Tensor], first: bool, resolved: bool = False) -> N
             order = torch.argsort(est, dim=-1, descending=True, stable=True)
             state["exp_avg_sq"].copy_(permuted(state["exp_avg_sq"], order, side - 2))
             power = permuted(power, order, -1)
-            q.copy_(resolved_qr(power, k) if resolved else torch.linalg.qr(power).Q)
+            q.copy_(resolved_qr(power, k) if resolved else qr(power)[0])
     state["exp_avg"].copy_(project(exp_avg, state))
 
 

@@ -46,6 +46,9 @@ def initialize_distributed(args) -> bool:
         order=args.parallel_order,
         create_gloo_process_groups=args.enable_gloo_process_groups,
     )
+    from .setup import seed_cuda_rng_tracker
+
+    seed_cuda_rng_tracker(args.seed)
     if args.deterministic_mode:
         torch.use_deterministic_algorithms(True)
     return owns

@@ -128,6 +128,20 @@ def ddp_config(args):
     )
 
 
+def seed_cuda_rng_tracker(seed: int, on_cuda: bool | None = None) -> None:
+    """megatron-core's CUDA RNG tracker seeded as Megatron-LM's _set_random_seed seeds it
+    (megatron/training/initialize.py at core_v0.16.1): seed + 100 x the pipeline rank, through
+    tensor_parallel.model_parallel_cuda_manual_seed, which adds the default, tensor-parallel and
+    expert-parallel states that megatron-core's layers fork to initialize their weights on the GPU and to
+    drop out (without them building a GPTModel on CUDA fails: "cuda rng state model-parallel-rng is not
+    added"). Where there is no GPU the CPU generator serves and nothing is done, unless ``on_cuda`` says
+    otherwise (the tests run it under compat.cpu.cuda_on_cpu)."""
+    from megatron.core import parallel_state, tensor_parallel
+
+    if on_cuda if on_cuda is not None else torch.cuda.device_count() > 0:
+        tensor_parallel.model_parallel_cuda_manual_seed(seed + 100 * parallel_state.get_pipeline_model_parallel_rank())
+
+
 def build_model_chunks(args, vocab_size: int, config, groups):
     """The GPT chunks of this rank, one per virtual pipeline stage, with layout-independent weights."""
     from megatron.core import parallel_state

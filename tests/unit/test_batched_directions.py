@@ -40,8 +40,8 @@ CONFIGS = {
         {"muon_ns_dtype": "fp32"},
     ),
     "soap": ({"optimizer": "soap"}, {}),
-    "soap megatron-lm order": (
-        {"optimizer": "soap", "rule_settings": {"soap": soap.SoapSettings(soap_basis="current")}},
+    "soap paper order": (
+        {"optimizer": "soap", "rule_settings": {"soap": soap.SoapSettings(soap_basis="previous")}},
         {},
     ),
 }
