@@ -425,7 +425,7 @@ def _timed_steps(rule, config, pieces, batched: bool, repeats: int) -> list[floa
 
     device = pieces[0].master.device.type
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    on, matrix.BATCHED_ON[device] = matrix.BATCHED_ON[device], batched
+    matrix.FORCE_BATCHED = batched
     try:
         times = []
         for step in range(1, repeats + 2):  # step 1 untimed (SOAP's eigh, first-touch allocations)
@@ -438,7 +438,7 @@ def _timed_steps(rule, config, pieces, batched: bool, repeats: int) -> list[floa
                 times.append(time.perf_counter() - t0)
         return times
     finally:
-        matrix.BATCHED_ON[device] = on
+        matrix.FORCE_BATCHED = None
 
 
 def run_batched(args) -> list[dict]:

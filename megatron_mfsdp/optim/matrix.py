@@ -52,6 +52,10 @@ product as the same kernel per entry, which measured no faster on this project's
 (benchmarks/bench_optimizer_step.py --batched, benchmarks/results/batched_directions.md), and the loop
 keeps the owner's sums in the single-process reference's order."""
 
+FORCE_BATCHED: bool | None = None
+"""For the tests and benchmarks/bench_optimizer_step.py --batched: True runs every rule's batched hook,
+False none, None (training) each rule's ``batched_on`` or :data:`BATCHED_ON`."""
+
 BATCH_ELEMENTS = 1 << 26
 """Most elements stacked into one batched call (256 MiB in fp32): bounds the copy."""
 
@@ -106,6 +110,8 @@ class MatrixMath:
     sharded: Callable[..., Tensor] | None = None
     """(this rank's shard of the input, the whole matrix's state, hyper, step, :class:`TpShard`) -> this
     rank's shard of the whole matrix's direction, talking to the TP group (``--*-tp-mode distributed``)."""
+    batched_on: tuple[str, ...] | None = None
+    """Device types where the owner runs ``batched`` (where it pays); None: :data:`BATCHED_ON`'s."""
     qkv: bool = False
     """Whether the math updates Q, K and V apart: then ``direction``, ``batched``, ``sharded`` and ``scale``
     take the rows per query group (None: the whole matrix) as their last argument, and the rule says when
@@ -294,6 +300,12 @@ class _MatrixSteps:
             direction = self.math.sharded(x, piece.state, hyper, ctx.step, shard, *split)
         self._apply(piece, direction, piece.full_shape, piece.split_rows, hyper, ctx)
 
+    def _batches(self, device: str) -> bool:
+        on = self.math.batched_on
+        if FORCE_BATCHED is not None:
+            return FORCE_BATCHED
+        return BATCHED_ON.get(device, False) if on is None else device in on
+
     # ------------------------------------------------------------------ the steps
     @torch.no_grad()
     def step(self, pieces: Sequence[OwnedPiece], ctx: StepContext) -> None:
@@ -304,7 +316,7 @@ class _MatrixSteps:
         for p in pieces:
             if _exact_tp(p, mode):
                 self._exact(p, mode, hyper, ctx)
-        if not (local and self.math.batched is not None and BATCHED_ON.get(local[0].master.device.type, False)):
+        if not (local and self.math.batched is not None and self._batches(local[0].master.device.type)):
             for p in local:
                 self._one(p, hyper, ctx)
             return

@@ -435,7 +435,10 @@ def step_hyper(settings: SoapSettings, config) -> SoapStep:
 
 RULE = matrix_rule(
     NAME,
-    MatrixMath(init=init, direction=direction, hyper=step_hyper, batched=batched),
+    # batched_on=(): stacked, SOAP measured no faster on CUDA (its per-matrix QR dominates; 64 of 512 x 1408:
+    # 1.04x, 0.84x in the paper's order), and its first steps amplify the stacked products' rounding into
+    # another update (benchmarks/results/batched_directions.md). The hook stays for the bench and the tests.
+    MatrixMath(init=init, direction=direction, hyper=step_hyper, batched=batched, batched_on=()),
     settings=SoapSettings,
     cost=cost,
     state_bytes=state_bytes,

@@ -87,9 +87,9 @@ def test_batched_step_matches_the_per_matrix_loop(name, monkeypatch):
     monkeypatch.setattr(matrix, "stacks", lambda pieces: calls.extend(len(s) for s in stacks(pieces)) or stacks(pieces))
     for step in (1, 2):
         ctx = StepContext(config, step, lr=0.02, weight_decay=0.1, settings=rule.settings_in(config))
-        monkeypatch.setitem(matrix.BATCHED_ON, "cpu", True)
+        monkeypatch.setattr(matrix, "FORCE_BATCHED", True)
         rule.step(batched, ctx)
-        monkeypatch.setitem(matrix.BATCHED_ON, "cpu", False)
+        monkeypatch.setattr(matrix, "FORCE_BATCHED", False)
         rule.step(looped, ctx)
     assert calls and max(calls) == 3  # the stacks did run, three (64, 64) matrices at most per stack
     assert _max_difference(batched, looped) <= tolerance
@@ -123,6 +123,16 @@ def test_newton_schulz_batched_needs_a_stack():
 
     with pytest.raises(ValueError, match="stack"):
         ns.newton_schulz_batched(torch.randn(96, 40))
+
+
+def test_where_the_owner_batches():
+    """By default: each rule's batched hook on CUDA (matrix.BATCHED_ON), none on a CPU (the loop keeps the
+    single-process reference's sums: the exactness tests); SOAP's nowhere (its batched_on, measured)."""
+    from megatron_mfsdp.optim import muon
+
+    steps = {name: rule.step.__self__ for name, rule in (("muon", muon.RULE), ("soap", soap.RULE))}
+    assert steps["muon"]._batches("cuda") and not steps["muon"]._batches("cpu")
+    assert not steps["soap"]._batches("cuda") and not steps["soap"]._batches("cpu")
 
 
 def _adam_config():
