@@ -14,7 +14,8 @@
 # a fresh --output-dir trains from scratch and keeps the old run.
 #
 # Extra arguments go to pretrain_gpt.py (a later flag wins: --train-iters 10).
-# QUICKSTART_SETUP=0 skips scripts/setup_env.sh (a .venv already set up).
+# QUICKSTART_SETUP=0 skips scripts/setup_env.sh (a .venv already set up); QUICKSTART_SAMPLE=0 skips
+# the closing sample (the commands are still printed).
 set -euo pipefail
 caller=$PWD
 cd "$(dirname "$0")/.."
@@ -22,7 +23,7 @@ cd "$(dirname "$0")/.."
 export PYTHONWARNINGS=${PYTHONWARNINGS:-ignore}
 
 # What the extra arguments say about the run folder (pretrain_gpt.py reads them again: a later flag wins).
-out=runs/default save="" load="" iters=300 no_load=0 args=() again=() prev=""
+out=runs/default save="" load="" iters=300 no_load=0 trained=0 args=() again=() prev=""
 for arg in "$@"; do
     case "$prev" in
         --output-dir) out=$arg ;;
@@ -68,15 +69,17 @@ elif [ -n "$load" ]; then
 elif [ -f "$tracker" ]; then
     done_iters=$(cat "$tracker")
     left=""
-    [ "$done_iters" -ge "$iters" ] 2>/dev/null &&
+    if [ "$done_iters" -ge "$iters" ] 2>/dev/null; then
         left=" of --train-iters $iters: nothing left to train (add --train-iters $((done_iters + iters)) --override-opt_param-scheduler for more)"
+        trained=1  # pretrain_gpt.py would load it and stop: the sample and the commands follow at once
+    fi
     echo "> quickstart: continuing from the checkpoint in $save at iteration $done_iters$left; --no-load starts from scratch"
     run_flags+=(--load "$save")
 else
     echo "> quickstart: training from scratch (no checkpoint in $save yet); a second run continues from the one saved there (--no-load: from scratch)"
     run_flags+=(--load "$save")
 fi
-.venv/bin/torchrun --nproc-per-node 2 pretrain_gpt.py \
+[ "$trained" = 1 ] || .venv/bin/torchrun --nproc-per-node 2 pretrain_gpt.py \
     --use-matrix-fsdp --optimizer muon \
     --muon-momentum 0.95 --muon-use-nesterov --muon-extra-scale-factor 0.2 --muon-coefficient-type simple \
     --num-layers 4 --hidden-size 128 --num-attention-heads 4 \
@@ -94,11 +97,15 @@ fi
 iteration=$(cat "$tracker")
 prompt="def __init__(self"
 max_new=32
-sample=$(.venv/bin/python tools/generate.py --load "$save" --prompt "$prompt" --max-new-tokens "$max_new" --greedy)
 q() { printf ' %q' "$@"; }
 echo
-echo "> quickstart: the model is in $save (iteration $iteration, torch_dist); greedy from '$prompt' (tools/generate.py):"
-printf '%s%s\n\n' "$prompt" "$(sed -n '/^generated text: /,$p' <<<"$sample" | sed '1s/^generated text: //')"
+if [ "${QUICKSTART_SAMPLE:-1}" = 0 ]; then
+    echo "> quickstart: the model is in $save (iteration $iteration, torch_dist)"
+else
+    sample=$(.venv/bin/python tools/generate.py --load "$save" --prompt "$prompt" --max-new-tokens "$max_new" --greedy)
+    echo "> quickstart: the model is in $save (iteration $iteration, torch_dist); greedy from '$prompt' (tools/generate.py):"
+    printf '%s%s\n\n' "$prompt" "$(sed -n '/^generated text: /,$p' <<<"$sample" | sed '1s/^generated text: //')"
+fi
 echo "> what next (each command runs as printed):"
 [ "$caller" = "$PWD" ] || echo "    cd$(q "$PWD")"
 echo "    # more text: any --prompt, several at once; without --greedy it samples (--temperature, --top-k, --top-p)"

@@ -24,16 +24,23 @@ def _env() -> dict:
     return env
 
 
-def _run(command: str, cwd) -> subprocess.CompletedProcess:
+def _run(command: str, cwd, **env) -> subprocess.CompletedProcess:
     out = subprocess.run(
-        command, shell=True, executable="/bin/bash", cwd=cwd, env=_env(), capture_output=True, text=True, timeout=900
+        command,
+        shell=True,
+        executable="/bin/bash",
+        cwd=cwd,
+        env={**_env(), **env},
+        capture_output=True,
+        text=True,
+        timeout=900,
     )
     assert out.returncode == 0, f"{command}\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
     return out
 
 
-def _quickstart(cwd, *args: str) -> str:
-    return _run(shlex.join(["bash", os.path.join(ROOT, "scripts", "quickstart.sh"), *args]), cwd).stdout
+def _quickstart(cwd, *args: str, **env) -> str:
+    return _run(shlex.join(["bash", os.path.join(ROOT, "scripts", "quickstart.sh"), *args]), cwd, **env).stdout
 
 
 def _printed_commands(stdout: str) -> list[str]:
@@ -78,7 +85,7 @@ def test_quickstart_leaves_a_checkpoint_a_sample_and_commands_that_run_as_printe
     assert out.stdout.startswith("converted mfsdp") and "GPT2LMHeadModel" in out.stdout
     assert sorted(os.listdir(run / "hf-iter4")) == ["config.json", "model.safetensors"]
 
-    again = _run(more, ROOT).stdout  # the same command a second time
+    again = _run(more, ROOT, QUICKSTART_SAMPLE="0").stdout  # the same command a second time (no sample: quicker)
     assert again.splitlines()[0] == (
         f"> quickstart: continuing from the checkpoint in {run}/checkpoints at iteration 8 of --train-iters 8: "
         "nothing left to train (add --train-iters 16 --override-opt_param-scheduler for more); "
@@ -86,7 +93,9 @@ def test_quickstart_leaves_a_checkpoint_a_sample_and_commands_that_run_as_printe
     )
     assert "iteration        " not in again and _iteration(run) == 8
 
-    fresh = _quickstart(ROOT, "--output-dir", str(run), *SHORT, "--train-iters", "2", "--no-load")
+    fresh = _quickstart(
+        ROOT, "--output-dir", str(run), *SHORT, "--train-iters", "2", "--no-load", QUICKSTART_SAMPLE="0"
+    )
     first_line = f"> quickstart: --no-load: training from scratch; the checkpoint in {run}/checkpoints (iteration 8) "
     assert fresh.splitlines()[0].startswith(first_line + f"is moved to {run}/checkpoints.before-")
     assert "successfully loaded" not in fresh and _iteration(run) == 2  # not 8: the old one is aside

@@ -85,7 +85,7 @@ def test_tensorboard_tags_are_megatrons(tmp_path):
 def _quickstart_flags() -> list:
     """pretrain_gpt.py's flags as scripts/quickstart.sh passes them."""
     text = open(f"{ROOT}/scripts/quickstart.sh").read().replace("\\\n", " ")
-    line = next(ln for ln in text.splitlines() if ln.startswith(".venv/bin/torchrun") and "pretrain_gpt.py" in ln)
+    line = next(ln for ln in text.splitlines() if ".venv/bin/torchrun" in ln and "pretrain_gpt.py" in ln)
     words = shlex.split(line.split("pretrain_gpt.py", 1)[1])
     return [w for w in words if not w.startswith("$")]  # the run folder's flags and the extra arguments
 
