@@ -444,7 +444,7 @@ def _timed_steps(rule, config, pieces, batched: bool, repeats: int) -> list[floa
 def run_batched(args) -> list[dict]:
     """Every rule with a batched hook: ``count`` same-shape matrices on one owner, batched against the loop."""
     out = []
-    for name in BATCHED_RULES:
+    for name in args.batched_rules or BATCHED_RULES:
         config = _batched_config(name, args.ns_dtype)
         rule = registry.optimizer_rule(config.optimizer)
         runs = {}
@@ -647,6 +647,7 @@ def parse_args(argv=None):
     p.add_argument("--batched-shape", type=int, nargs=2, default=[512, 1408], metavar=("ROWS", "COLS"))
     p.add_argument("--batched-repeats", type=int, default=3, help="timed steps each way (after an untimed one)")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="--batched: where the matrices live")
+    p.add_argument("--batched-rules", nargs="*", choices=list(BATCHED_RULES), help="--batched: these rows only")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--timeout", type=float, default=1800, help="seconds per world size")
     p.add_argument("--quick", action="store_true", help="tiny config for a CI smoke run (< 60 s)")
