@@ -382,7 +382,7 @@ BATCHED_RULES = {
     "adaptive_muon adamuon": {"optimizer": "adaptive_muon"},
     "adaptive_muon normuon": {"optimizer": "adaptive_muon", "adaptive_muon_moment2_method": "normuon"},
     "soap": {"optimizer": "soap"},
-    "soap paper order": {"optimizer": "soap", "soap_basis": "previous"},
+    "soap megatron order": {"optimizer": "soap", "soap_basis": "current"},
 }
 
 

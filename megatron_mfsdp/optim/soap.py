@@ -20,47 +20,56 @@ Megatron-LM refreshes every step; ``--soap-precondition-frequency`` refreshes ev
 1, 1 + k, ...) as the paper amortises it, the factors still updating every step. A side longer than
 ``--soap-max-precond-dim`` keeps no factor: its basis is the identity, and under KL-Shampoo its
 factor counts as the identity (the other side's correction is ``I / dim``). Factors, eigh and QR run
-in fp32 on the matrix's owner (eigh falls back to fp64 where fp32 fails, as Emerging-Optimizers).
+on the matrix's owner, in fp32 in Megatron-LM's order (eigh falls back to fp64 where fp32 fails, as
+Emerging-Optimizers), in fp64 in the default order (below).
 
-The order above (``--soap-basis current``, the default) is Megatron-LM's, and its first steps follow
-the gradient's rounding: at step 1 the basis is the gradient's own singular vectors, so
+Two orders (``--soap-basis``). ``current`` is Megatron-LM's, above, with its numbers; its first steps
+follow the gradient's rounding: at step 1 the basis is the gradient's own singular vectors, so
 ``Q_L^T G Q_R`` is diagonal but for fp32 rounding, and while a factor is rank-deficient (a rectangular
 matrix's long side) the gradient's components on its null space are rounding too; Adam's
 bias-corrected first step divides each entry by its own magnitude, so rounding becomes +-1.
-``--soap-basis previous`` is the SOAP paper's order (its reference code, github.com/nikhilvyas/SOAP
+
+``previous`` (the default) is the SOAP paper's order (its reference code, github.com/nikhilvyas/SOAP
 soap.py ``step``): the gradient is projected into the basis built from the gradients before it, then
 the factors and the basis take it; step 1 has no basis yet and makes no update (direction 0, the
-moments stay 0), so Adam's count, for its bias correction, is ``step - 1``. What fp32 cannot resolve
-is then decided without rounding:
+moments stay 0), so Adam's count, for its bias correction, is ``step - 1``. Its update is a
+function of the gradient, not of its rounding:
 
-- A factor K's resolution is ``dim * eps_fp32 * ||K||_F``, the size of the rounding of a product with K.
+- Factors and bases are kept in fp64, and every product with them runs in fp64 (Adam's moments stay
+  fp32). The gradient arrives in fp32, so what a factor resolves is set by the gradient's precision:
+  a factor K's resolution is ``dim * eps_fp32 * ||K||_F``. In fp32 the factors' own rounding is of
+  that size, and the basis directions near it (the first steps of every rectangular matrix, and
+  near-tied eigenvalues) swing with an ulp of the gradient.
 - Where an eigenvalue (the first refresh's eigh) or a pivot (later refreshes: ``|R_jj|`` of the power
-  iteration's QR) is below it, that column of the basis is not determined by the factor (its null
-  space: directions no gradient has reached, or reached below fp32's resolution). Those columns are
-  replaced by a fixed completion of the resolved ones: the leading eigenvectors of ``P D P``, P the
-  projector onto the unresolved space and D = diag(dim, ..., 1) / dim in the parameter's coordinates,
-  a continuous function of the resolved columns. Only a rank-deficient refresh pays for it (a complete
-  QR and an eigh of the unresolved dimension); the planner's cost leaves it out, as it leaves out the
-  first step's eigh. Under KL-Shampoo a rectangular matrix's long side stays unresolved for its first
-  ~150 steps (measured on a 96 x 32 matrix, gradients of 1e-2); plain Shampoo factors for
-  ceil(long / short) steps. In either order, step 1's KL weights, of a zero factor, are 1 / (dim eps):
-  that 96 x 32 matrix's L is then G G^T / (32 eps), largest eigenvalue 7e4, and step 2's term is
-  ~1e-8, below its fp32 rounding (its 33rd eigenvalue is 3e-3, rounding) until the EMA forgets step 1.
-- The sort by estimated eigenvalue counts the estimates below the resolution as equal (a stable sort
-  keeps their order), and KL-Shampoo's weights clamp the estimates at the resolution (not only at
-  eps), so unresolved directions weigh the same whatever rounding made of them.
+  iteration's QR) is below the resolution, that column of the basis is not determined by the factor
+  (its null space: directions no gradient has reached, or reached below the gradient's precision).
+  Those columns are replaced by a fixed completion of the resolved ones: the leading eigenvectors of
+  ``P D P``, P the projector onto the unresolved space and D = diag(dim, ..., 1) / dim in the
+  parameter's coordinates, a continuous function of the resolved columns. Only a rank-deficient refresh
+  pays for it (a complete QR and an eigh of the unresolved dimension); the planner's cost leaves it
+  out, as it leaves out the first step's eigh.
+- KL-Shampoo's eigenvalue estimates start from a prior, as its paper's fixed point suggests: a factor
+  with no history counts as the identity at the gradient's RMS, and the prior fades through the EMA,
+  ``l = lerp(diag(Q^T K Q), rms(G_t), b^(t-1))`` (b the shampoo beta), clamped at the resolution. From
+  zero factors (Megatron-LM's 1 / (dim eps) weights) the first gradient's terms are ~1e8 / dim times
+  the later ones, so a rectangular matrix's long side stays unresolved for its first ~100-150 steps
+  and its basis is the fixed completion; with the prior it is resolved within 5-8 steps.
+- The basis is not sorted by estimated eigenvalue before the power iteration (orthogonal iteration
+  orders its columns by itself, continuously; the second moment stays where it is): sorted, the
+  update moved by up to 8.9e-4 under the test's change below (32 x 64, step 3), unsorted by 5e-5, and
+  keeping estimates within 1e-4 to 1e-2 of each other in their order did not help.
 
 Measured in tests/unit/test_soap_math.py (``test_update_follows_the_gradient_not_its_rounding``): a
 1e-7 relative change of the gradients moves Megatron-LM's update by 130% at step 1 and up to 100x at
-steps 2-3 of a rank-deficient start; ``previous``'s by at most 4e-4 at every step (KL-Shampoo).
-
-Why ``current`` stays the default: on benchmarks/bench_quality.py (benchmarks/results/quality.md)
-``previous`` reached a best validation loss of 4.69 against ``current``'s 4.52. Under KL-Shampoo a
-rectangular matrix's long side is mostly unresolved for its first ~150 steps (above): there
-Megatron-LM's basis is made of rounding, new at every refresh, and ``previous``'s is fixed; the fixed one trained
-worse (ablations at lr 3e-3, final validation loss: ``current`` 4.53, the paper's order alone 4.55,
-with the completion and the sort 4.65, with the KL clamp too 4.69; the completion carried over from the
-previous basis instead of recomputed: 4.69; the resolution at sqrt(dim) instead of dim: 4.67).
+steps 2-3 of a rank-deficient start; ``previous``'s by at most 5e-5 at every step. On
+benchmarks/bench_quality.py (benchmarks/results/quality.md) ``previous`` reached a best validation loss
+of 4.38 against ``current``'s 4.52; the same order in fp32 with zero factors (this file before
+issue 27's end) 4.69, with the prior and the sort in fp32 4.35 but a 1e-7 change of the gradient moved
+its update by up to 4e-2. fp64 costs the factors' and bases' memory twice (``state_bytes``) and time: on this
+2-core CPU, 8 matrices of 512 x 1408 stepped in 7.9 s against Megatron-LM's order's 1.8 s (steps 2-4,
+whose refreshes are rank-deficient and pay the completion; benchmarks/results/batched_directions.md).
+On GPUs whose fp64 rate is their fp32 rate without TF32 (H100, H200: 67 TFLOPS each) the products
+should cost about the same; not measured there.
 """
 
 from __future__ import annotations
@@ -105,14 +114,14 @@ class SoapSettings:
     )
     tp_mode: str = tp_mode_field("soap", "SOAP")
     soap_basis: str = field(
-        default="current",
+        default="previous",
         metadata={
             "choices": BASES,
-            "help": "the eigenbasis each gradient is projected into. current (default): the basis updated with "
-            "the gradient first, Megatron-LM's (Emerging-Optimizers') order and numbers, whose first steps' update "
-            "follows the gradient's rounding; previous: the basis of the gradients before it, the SOAP paper's order "
-            "(its step 1 makes no update), with the directions fp32 cannot resolve given a fixed basis: the update "
-            "follows the gradient, not its rounding, but trains worse here (benchmarks/results/quality.md)",
+            "help": "the eigenbasis each gradient is projected into. previous (default): the basis of the gradients "
+            "before it, the SOAP paper's order (its step 1 makes no update), factors in fp64 resolved at the "
+            "gradient's precision: the update follows the gradient, not its rounding; current: the basis updated "
+            "with the gradient first, Megatron-LM's (Emerging-Optimizers') order and numbers, whose first steps' "
+            "update follows the gradient's rounding",
         },
     )
 
@@ -140,14 +149,26 @@ class SoapStep:
     eps: float
 
 
+def factor_dtype(settings: SoapSettings) -> torch.dtype:
+    """The factors' and bases' dtype: fp32 as Megatron-LM in --soap-basis current, fp64 in previous (the
+    module docstring)."""
+    return torch.float64 if settings.soap_basis == "previous" else torch.float32
+
+
+def state_dtype(state: dict[str, Tensor]) -> torch.dtype:
+    """The dtype the rotations run in: the bases' (the moments' where no side keeps a basis)."""
+    return next((state[basis].dtype for _, basis in SIDES if basis in state), state["exp_avg"].dtype)
+
+
 def init(shape, settings: SoapSettings) -> dict[str, Tensor]:
-    """Zero moments, zero factors and identity bases (Emerging-Optimizers' start); no factor on a side
-    longer than --soap-max-precond-dim."""
+    """Zero moments (fp32), zero factors and identity bases (Emerging-Optimizers' start) in
+    :func:`factor_dtype`; no factor on a side longer than --soap-max-precond-dim."""
     rows, cols = (int(d) for d in shape)
     state = {"exp_avg": torch.zeros(rows, cols), "exp_avg_sq": torch.zeros(rows, cols)}
+    dtype = factor_dtype(settings)
     for (factor, basis), dim in zip(SIDES, (rows, cols)):
         if dim <= settings.soap_max_precond_dim:
-            state[factor], state[basis] = torch.zeros(dim, dim), torch.eye(dim)
+            state[factor], state[basis] = torch.zeros(dim, dim, dtype=dtype), torch.eye(dim, dtype=dtype)
     return state
 
 
@@ -171,11 +192,24 @@ def shampoo_beta(beta: float, step: int) -> float:
     return 1 - (1 - beta) / (1 - beta**step)
 
 
-def resolution(factor: Tensor) -> Tensor:
-    """``dim * eps * ||K||_F`` of a factor K: the size of the rounding of a product with it, below which
-    its eigenvalues, estimates and QR pivots are not resolved (the module docstring; the rank tolerance
-    of numpy's matrix_rank, with the Frobenius norm to bound the products' rounding)."""
-    return torch.linalg.matrix_norm(factor) * factor.shape[-1] * torch.finfo(factor.dtype).eps
+@dataclass(frozen=True)
+class Resolve:
+    """How --soap-basis previous decides what the gradient does not: ``precision``, the gradient's dtype,
+    sets the :func:`resolution`; KL-Shampoo's eigenvalue estimates start from ``prior`` (the gradient's
+    RMS, per matrix of a stack) with ``weight`` shampoo_beta^(t-1)."""
+
+    precision: torch.dtype
+    prior: Tensor
+    weight: float
+
+
+def resolution(factor: Tensor, precision: torch.dtype | None = None) -> Tensor:
+    """``dim * eps * ||K||_F`` of a factor K, eps of ``precision`` (the factor's dtype by default): the
+    size of the rounding of a product with it, below which its eigenvalues, estimates and QR pivots
+    are not resolved (the module docstring; the rank tolerance of numpy's matrix_rank, with the
+    Frobenius norm to bound the products' rounding)."""
+    eps = torch.finfo(precision or factor.dtype).eps
+    return torch.linalg.matrix_norm(factor) * factor.shape[-1] * eps
 
 
 def estimates(state: dict[str, Tensor], side: int) -> Tensor:
@@ -186,37 +220,41 @@ def estimates(state: dict[str, Tensor], side: int) -> Tensor:
 
 
 def kl_weights(
-    state: dict[str, Tensor], side: int, dim: int, eps: float, like: Tensor, resolved: bool = False
+    state: dict[str, Tensor], side: int, dim: int, eps: float, like: Tensor, resolve: Resolve | None = None
 ) -> Tensor:
     """KL-Shampoo's weights of one side, ``1 / (dim * max(l, eps))`` with l = diag(Q^T K Q), its
     factor's eigenvalues estimated in its basis before this step's update; ``1 / dim`` on a side with
-    no factor (the identity). ``resolved`` (--soap-basis previous) clamps l at the factor's
-    :func:`resolution` too, so that unresolved directions weigh the same."""
+    no factor (the identity). With ``resolve`` (--soap-basis previous) l starts from the prior,
+    ``lerp(l, prior, weight)``, and is clamped at the factor's :func:`resolution` too, so that
+    unresolved directions weigh the same."""
     factor, _ = SIDES[side]
     if factor not in state:
         return like.new_full((dim,), 1.0 / dim)
-    floor = resolution(state[factor]).clamp_min(eps).unsqueeze(-1) if resolved else eps
-    return 1 / (dim * estimates(state, side).clamp_min(floor))
+    est = estimates(state, side)
+    if resolve is None:
+        return 1 / (dim * est.clamp_min(eps))
+    est = torch.lerp(est, resolve.prior.unsqueeze(-1).expand_as(est), resolve.weight)
+    return 1 / (dim * est.clamp_min(resolution(state[factor], resolve.precision).clamp_min(eps).unsqueeze(-1)))
 
 
 def factor_terms(
-    grad: Tensor, state: dict[str, Tensor], kl: bool, eps: float, resolved: bool = False
+    grad: Tensor, state: dict[str, Tensor], kl: bool, eps: float, resolve: Resolve | None = None
 ) -> dict[str, Tensor]:
     """This step's new term of each factor (step 1 of the module docstring), both computed before
     either factor moves: G G^T and G^T G, or KL-Shampoo's ``B diag(w_R) B^T`` with B = G Q_R and
-    ``A^T diag(w_L) A`` with A = Q_L^T G (``resolved``: :func:`kl_weights`)."""
+    ``A^T diag(w_L) A`` with A = Q_L^T G (``resolve``: :func:`kl_weights`)."""
     rows, cols = grad.shape[-2:]
     terms = {}
     if "L" in state:
         if kl:
             b = grad @ state["Q_R"] if "Q_R" in state else grad
-            terms["L"] = (b * kl_weights(state, 1, cols, eps, grad, resolved).unsqueeze(-2)) @ b.mT
+            terms["L"] = (b * kl_weights(state, 1, cols, eps, grad, resolve).unsqueeze(-2)) @ b.mT
         else:
             terms["L"] = grad @ grad.mT
     if "R" in state:
         if kl:
             a = state["Q_L"].mT @ grad if "Q_L" in state else grad
-            terms["R"] = (a.mT * kl_weights(state, 0, rows, eps, grad, resolved).unsqueeze(-2)) @ a
+            terms["R"] = (a.mT * kl_weights(state, 0, rows, eps, grad, resolve).unsqueeze(-2)) @ a
         else:
             terms["R"] = grad.mT @ grad
     return terms
@@ -271,11 +309,11 @@ def complete_(basis: Tensor, kept: Tensor) -> Tensor:
     return basis
 
 
-def resolved_eigenbasis(factor: Tensor) -> Tensor:
+def resolved_eigenbasis(factor: Tensor, precision: torch.dtype) -> Tensor:
     """The first refresh of --soap-basis previous: eigh, the eigenvectors of eigenvalues below the
     factor's :func:`resolution` completed (:func:`complete_`; per matrix of a stack)."""
     values, vectors = eigh_descending(factor)
-    kept = values > resolution(factor).unsqueeze(-1)
+    kept = values > resolution(factor, precision).unsqueeze(-1)
     if factor.dim() == 2:
         return complete_(vectors.contiguous(), kept)
     vectors = vectors.contiguous()
@@ -284,17 +322,17 @@ def resolved_eigenbasis(factor: Tensor) -> Tensor:
     return vectors
 
 
-def resolved_qr(power: Tensor, factor: Tensor) -> Tensor:
+def resolved_qr(power: Tensor, factor: Tensor, precision: torch.dtype) -> Tensor:
     """A later refresh of --soap-basis previous: QR of the power iteration ``K Q``; where a pivot
     ``|R_jj|`` is below the factor's :func:`resolution`, QR of the resolved columns alone, the rest
     completed (:func:`complete_`; per matrix of a stack, the rest of the stack's QR kept)."""
     q, r = qr(power)
-    kept = r.diagonal(dim1=-2, dim2=-1).abs() > resolution(factor).unsqueeze(-1)
+    kept = r.diagonal(dim1=-2, dim2=-1).abs() > resolution(factor, precision).unsqueeze(-1)
     if bool(kept.all()):
         return q
     if power.dim() == 3:
         for i in (~kept).any(-1).nonzero().flatten().tolist():
-            q[i] = resolved_qr(power[i], factor[i])
+            q[i] = resolved_qr(power[i], factor[i], precision)
         return q
     basis = torch.empty_like(q)
     basis[:, kept] = torch.linalg.qr(power[:, kept]).Q
@@ -309,29 +347,29 @@ def permuted(x: Tensor, order: Tensor, axis: int) -> Tensor:
     return torch.gather(x, axis, index)
 
 
-def refresh_(state: dict[str, Tensor], first: bool, resolved: bool = False) -> None:
-    """Step 2 of the module docstring, in place: eigh of the factors at the first step; later, each
-    basis sorted by its factor's estimated eigenvalues (the second moment permuted alike) and refined by
-    one QR power iteration, the first moment rotated from the old basis to the new one. ``resolved``
-    (--soap-basis previous): what fp32 cannot resolve decided without rounding (the module docstring)."""
+def refresh_(state: dict[str, Tensor], first: bool, precision: torch.dtype | None = None) -> None:
+    """Step 2 of the module docstring, in place: eigh of the factors at the first step; later, one QR
+    power iteration of each basis, the first moment rotated from the old basis to the new one. With
+    ``precision`` None (--soap-basis current) each basis is first sorted by its factor's estimated
+    eigenvalues (the second moment permuted alike); else (previous) it is not, and what the gradient
+    (of dtype ``precision``) cannot resolve is decided without rounding (the module docstring)."""
     if first:  # the moments are still zero: nothing to rotate or permute
         for factor, basis in SIDES:
             if factor in state:
-                new = resolved_eigenbasis(state[factor]) if resolved else eigenvectors(state[factor])
-                state[basis].copy_(new)
+                k = state[factor]
+                state[basis].copy_(eigenvectors(k) if precision is None else resolved_eigenbasis(k, precision))
         return
-    exp_avg = project_back(state["exp_avg"], state)
+    exp_avg = project_back(state["exp_avg"].to(state_dtype(state)), state)
     for side, (factor, basis) in enumerate(SIDES):
         if factor in state:
             q, k = state[basis], state[factor]
             power = k @ q
-            est = (q * power).sum(-2)
-            if resolved:  # estimates below the resolution count as equal: the stable sort keeps their order
-                est = est.clamp_min(resolution(k).unsqueeze(-1))
-            order = torch.argsort(est, dim=-1, descending=True, stable=True)
+            if precision is not None:
+                q.copy_(resolved_qr(power, k, precision))
+                continue
+            order = torch.argsort((q * power).sum(-2), dim=-1, descending=True, stable=True)
             state["exp_avg_sq"].copy_(permuted(state["exp_avg_sq"], order, side - 2))
-            power = permuted(power, order, -1)
-            q.copy_(resolved_qr(power, k) if resolved else qr(power)[0])
+            q.copy_(qr(permuted(power, order, -1))[0])
     state["exp_avg"].copy_(project(exp_avg, state))
 
 
@@ -342,24 +380,31 @@ def refreshes(step: int, frequency: int) -> bool:
 
 def adam_in_basis(grad: Tensor, state: dict[str, Tensor], hyper: SoapStep, count: int) -> Tensor:
     """Step 3 of the module docstring: Adam on the gradient projected into the current basis, its
-    moments' ``count``-th update (bias correction), projected back."""
-    projected = project(grad, state)
+    moments' ``count``-th update (bias correction), projected back. The rotations run in the bases'
+    dtype, Adam in the moments' (fp32)."""
+    projected = project(grad.to(state_dtype(state)), state).to(state["exp_avg"].dtype)
     state["exp_avg"].lerp_(projected, 1 - hyper.beta1)
     state["exp_avg_sq"].lerp_(projected.square(), 1 - hyper.beta2)
     m_hat = state["exp_avg"] / (1 - hyper.beta1**count)
     v_hat = state["exp_avg_sq"] / (1 - hyper.beta2**count)
-    return project_back(m_hat / (v_hat.sqrt() + hyper.eps), state)
+    return project_back((m_hat / (v_hat.sqrt() + hyper.eps)).to(state_dtype(state)), state).to(grad.dtype)
 
 
 def update_basis_(grad: Tensor, state: dict[str, Tensor], hyper: SoapStep, step: int, resolved: bool) -> None:
     """Steps 1 and 2 of the module docstring: the factors take ``grad``, then the basis is refreshed on
-    refresh steps."""
+    refresh steps. ``resolved`` (--soap-basis previous): in the factors' dtype, resolved at the
+    gradient's precision, KL-Shampoo's estimates starting from the gradient's RMS (:class:`Resolve`)."""
     s = hyper.settings
+    resolve = None
+    if resolved:
+        rms = grad.square().mean((-2, -1)).sqrt().to(state_dtype(state))
+        resolve = Resolve(grad.dtype, rms, s.soap_shampoo_beta ** (step - 1))
+        grad = grad.to(state_dtype(state))
     beta = shampoo_beta(s.soap_shampoo_beta, step)
-    for name, term in factor_terms(grad, state, s.soap_use_kl_shampoo, hyper.eps, resolved).items():
+    for name, term in factor_terms(grad, state, s.soap_use_kl_shampoo, hyper.eps, resolve).items():
         state[name].lerp_(term, 1 - beta)
     if refreshes(step, s.soap_precondition_frequency):
-        refresh_(state, first=step == 1, resolved=resolved)
+        refresh_(state, first=step == 1, precision=resolve.precision if resolve else None)
 
 
 def direction(grad: Tensor, state: dict[str, Tensor], hyper: SoapStep, step: int) -> Tensor:
@@ -420,11 +465,12 @@ def cost(shape, split_rows, context) -> int:
 
 
 def state_bytes(shape, context) -> int:
-    """fp32 words held: both moments (2 m n), and per preconditioned side its factor and basis (2 d^2)."""
+    """Bytes held: both moments (2 m n fp32), and per preconditioned side its factor and basis (2 d^2 in
+    :func:`factor_dtype`)."""
     settings = RULE.settings_in(context.config)
     m, n = (int(d) for d in shape[-2:])
     sides = sum(2 * d * d for d in (m, n) if d <= settings.soap_max_precond_dim)
-    return 4 * (2 * m * n + sides)
+    return 4 * 2 * m * n + factor_dtype(settings).itemsize * sides
 
 
 def step_hyper(settings: SoapSettings, config) -> SoapStep:
@@ -436,8 +482,9 @@ def step_hyper(settings: SoapSettings, config) -> SoapStep:
 RULE = matrix_rule(
     NAME,
     # batched_on=(): stacked, SOAP measured no faster on CUDA (its per-matrix QR dominates; 64 of 512 x 1408:
-    # 1.04x, 0.84x in the paper's order), and its first steps amplify the stacked products' rounding into
-    # another update (benchmarks/results/batched_directions.md). The hook stays for the bench and the tests.
+    # 1.04x, 0.84x in the paper's order), and in Megatron-LM's order its first steps amplify the stacked products'
+    # rounding into another update (benchmarks/results/batched_directions.md). The hook stays for the bench and
+    # the tests.
     MatrixMath(init=init, direction=direction, hyper=step_hyper, batched=batched, batched_on=()),
     settings=SoapSettings,
     cost=cost,

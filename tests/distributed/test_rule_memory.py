@@ -1,5 +1,5 @@
-"""Memory per rank of a matrix rule whose state is not shaped like the parameter (SOAP: moments,
-factors and eigenbases, 4·(2mn + 2m² + 2n²) bytes a matrix), counted tensor bytes: on owners each
+"""Memory per rank of a matrix rule whose state is not shaped like the parameter (SOAP: fp32 moments,
+fp64 factors and eigenbases, 4·2mn + 8·(2m² + 2n²) bytes a matrix), counted tensor bytes: on owners each
 matrix's state exists once across the ranks; under --mfsdp-layout even (the reconstruction
 baseline) every rank that holds a slice of a matrix keeps its whole state."""
 
@@ -31,8 +31,8 @@ def test_soap_state_lives_once_on_owners_and_on_every_holder_under_even(world_si
     owner = run_workers(world_size, _worker, "owner")
     even = run_workers(world_size, _worker, "even")
     shapes = {n: s for r in owner + even for n, s in r["shapes"].items()}
-    per_matrix = {n: 4 * (2 * m * k + 2 * m * m + 2 * k * k) for n, (m, k) in shapes.items()}
-    # Owners: every matrix's state on exactly one rank, 4·(2mn + 2m² + 2n²) bytes of it.
+    per_matrix = {n: 4 * 2 * m * k + 8 * (2 * m * m + 2 * k * k) for n, (m, k) in shapes.items()}
+    # Owners: every matrix's state on exactly one rank, 4·2mn + 8·(2m² + 2n²) bytes of it.
     held = [n for r in owner for n in r["soap_matrices"]]
     assert sorted(held) == sorted(per_matrix)
     assert sum(r["soap_state"] for r in owner) == sum(per_matrix.values())

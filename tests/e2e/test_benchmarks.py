@@ -139,7 +139,7 @@ def test_newton_schulz_kernel_benchmarks_run():
     assert bare and float(bare.group(1)) > 0, out[-2000:]
     out = _run("bench_optimizer_step.py", "--batched", "--batched-count", "3", "--batched-shape", "32", "80")
     lines = dict(re.findall(r"^BATCHED rule=(\S+) .* diff_over_step=(\S+) .*bitwise=\w+$", out, re.M))
-    assert set(lines) == {"muon", "adaptive_muon:adamuon", "adaptive_muon:normuon", "soap", "soap:paper:order"}, out
+    assert set(lines) == {"muon", "adaptive_muon:adamuon", "adaptive_muon:normuon", "soap", "soap:megatron:order"}, out
     assert all(float(v) <= 1e-3 for v in lines.values()), lines
 
 
