@@ -27,9 +27,9 @@ from torch.utils._pytree import tree_flatten
 from ..config import MatrixFSDPConfig
 from ..groups import ProcessGroups, group_rank
 from ..models import ModelAdapter, ModelUnit, adapter_for
-from ..placement.blocks import split_qkv_blocks
-from ..placement.layout import ParamSpec, Plan, UnitLayout, UnitSpec
+from ..placement.layout import Plan, UnitLayout
 from ..placement.planner import plan_units
+from ..placement.specs import unit_specs
 from ..placement.verify import verify_plan_agreement
 from ..precision import UnitCodec, fp8_slot_names, new_fp8_state, te_available, te_float8_weight
 from ..profiling import GATHER, REDUCE, WAIT, profile_range
@@ -93,25 +93,6 @@ def _block_slots(layout: UnitLayout, shapes: dict) -> dict[str, list]:
         ):
             raise ValueError(f"{name}: its Q, K and V blocks {[s.name for s in slots]} do not tile it: {runs}")
     return blocks
-
-
-def unit_specs(units: list[ModelUnit], ddp_config: MatrixFSDPConfig, adapter: ModelAdapter, config) -> list[UnitSpec]:
-    """Classify and cost the parameters of model units for the planner: user rules first, then the
-    model's roles (``ddp_config.rules``: each one's storage, cost and state bytes, from the optimizer's
-    registry); Q, K and V split where the matrix rule updates them apart, and with ``split_qkv_owners``
-    placed as items of their own."""
-    rules = ddp_config.rules.extended(adapter.param_roles())
-    specs = []
-    for unit in units:
-        params = []
-        for name, p in unit.params:
-            rule, shape = rules.classify(name, p.shape), tuple(p.shape)
-            split = adapter.split_rows(name, config) if rules.splits_qkv(rule) else None
-            spec = ParamSpec(name, shape, rule, rules.storage(rule), rules.cost(rule, shape, split), split)
-            spec.state_bytes = rules.state_bytes(rule, shape)
-            params.append(spec)
-        specs.append(UnitSpec(unit.name, params))
-    return split_qkv_blocks(specs, ddp_config.split_qkv_owners, rules.cost, rules.state_bytes)
 
 
 def _run_shards(sh, start: int, at: int, data: torch.Tensor, key_prefix: str, replica: int) -> list:
