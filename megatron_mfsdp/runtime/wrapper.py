@@ -24,6 +24,7 @@ from collections.abc import Iterator
 import torch
 from torch.utils._pytree import tree_flatten
 
+from ..checkpoint import boxes
 from ..config import MatrixFSDPConfig
 from ..groups import ProcessGroups, group_rank
 from ..models import ModelAdapter, ModelUnit, adapter_for
@@ -95,57 +96,6 @@ def _block_slots(layout: UnitLayout, shapes: dict) -> dict[str, list]:
     return blocks
 
 
-def _run_shards(sh, start: int, at: int, data: torch.Tensor, key_prefix: str, replica: int) -> list:
-    """ShardedTensors of ``data``, elements [at, at + len) of a flattened parameter, where they fall in
-    megatron's tensor ``sh`` (elements [start, ...) of that parameter): at most three boxes per
-    dimension (partial row, whole rows, partial row)."""
-    from megatron.core.dist_checkpointing import ShardedTensor
-
-    lo = max(start, at) - start
-    hi = min(start + math.prod(sh.local_shape), at + data.numel()) - start
-    out = []
-    for offset, size, pos in flat_boxes(lo, hi, tuple(sh.local_shape)) if lo < hi else ():
-        begin, pre = start + pos - at, sh.prepend_axis_num
-        # Uneven shards take full-rank shapes: megatron's uneven path ignores prepend_axis_num.
-        size = (1,) * pre + size
-        out.append(
-            ShardedTensor(
-                key=key_prefix + sh.key,
-                data=data[begin : begin + math.prod(size)].view(size),
-                dtype=data.dtype,
-                local_shape=size,
-                global_shape=sh.global_shape,
-                global_offset=(*sh.global_offset[:pre], *(g + o for g, o in zip(sh.global_offset[pre:], offset))),
-                axis_fragmentations=None,
-                replica_id=(*sh.replica_id[:2], replica),
-            )
-        )
-    return out
-
-
-def flat_boxes(lo: int, hi: int, shape: tuple[int, ...]) -> list[tuple[tuple, tuple, int]]:
-    """The flat element range [lo, hi) of a C-contiguous tensor of ``shape`` as boxes
-    (offset, size, flat start), in order: a partial leading row, whole rows, a partial last row."""
-    if len(shape) <= 1:
-        return [((lo,), (hi - lo,), lo)]
-    inner = math.prod(shape[1:])
-    first, last = lo // inner, (hi - 1) // inner
-    if first == last and (lo % inner or hi - lo < inner):
-        return [
-            ((first, *o), (1, *s), first * inner + a)
-            for o, s, a in flat_boxes(lo % inner, lo % inner + hi - lo, shape[1:])
-        ]
-    boxes, begin, end = [], lo, (hi // inner) * inner
-    if lo % inner:
-        begin = (first + 1) * inner
-        boxes += flat_boxes(lo, begin, shape)
-    if end > begin:
-        boxes.append(((begin // inner, *(0,) * (len(shape) - 1)), ((end - begin) // inner, *shape[1:]), begin))
-    if hi > end:
-        boxes += flat_boxes(end, hi, shape)
-    return boxes
-
-
 class MatrixFSDP(torch.nn.Module):
     """Owner-sharded ZeRO-3 wrapper of a megatron-core model chunk.
 
@@ -187,6 +137,7 @@ class MatrixFSDP(torch.nn.Module):
         grad_dtype = torch.float32 if ddp_config.grad_reduce_in_fp32 else self.param_dtype
         self.grad_dtype = grad_dtype  # the wire dtype of the reduction (the owner accumulates in fp32)
         self.comm = SegmentComm(self.groups, ddp_config.verify_collectives, self.device, ddp_config.reduce_order)
+        self._shard_metadata: dict[str, list] | None = None  # megatron's checkpoint metadata, on first use
         self._in_flight: deque = deque()  # (unit state, PendingReduce) of reductions not yet waited for
         self._empty = torch.empty(0, dtype=self.param_dtype, device=self.device)
         self.units = [
@@ -505,68 +456,26 @@ class MatrixFSDP(torch.nn.Module):
         }
 
     # ------------------------------------------------------ checkpoint shards
-    @torch.no_grad()
     def shard_metadata(self, metadata=None) -> dict[str, list]:
-        """Local parameter name -> [(megatron ShardedTensor, flat start in the TP-local tensor)]:
-        megatron-core's own ``sharded_state_dict`` of the module (keys, layer and TP offsets, replica
-        ids; SwiGLU fc1 as its two halves), computed on shape-only stand-ins of the released weights."""
-        from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
-
-        if getattr(self, "_shard_metadata", None) is None:
-            names = {id(p): name for name, p in self.module.named_parameters()}
+        """Local parameter name -> [(megatron ShardedTensor, flat start in the TP-local tensor)], from
+        megatron-core's own ``sharded_state_dict`` of the module (checkpoint/boxes.py), once."""
+        if self._shard_metadata is None:
             shapes = {name: shape for state in self.units for name, shape in state.shapes.items()}
-
-            def stand_in(p, shape):
-                return torch.empty((), dtype=p.dtype, device=p.device).expand(shape)
-
-            kept = {}
-            for state in self.units:
-                for name, p in state.tensors:
-                    kept[id(p)] = p.data
-                    p.data = stand_in(p, shapes[name])
-            try:
-                sharded = self.module.sharded_state_dict(prefix="", metadata=metadata)
-            finally:
-                for state in self.units:
-                    for _, p in state.tensors:
-                        p.data = kept[id(p)]
-            out = {}
-            for sh in sharded.values():
-                name = names.get(id(getattr(sh, "data", None)))
-                if name is None:
-                    continue  # _extra_state objects: not tensors, not saved
-                parts = [sh]
-                if isinstance(sh, ShardedTensorFactory):
-                    parts = sh.build_fn(sh.key, stand_in(sh.data, shapes[name]), sh.replica_id, None)
-                starts = [sum(math.prod(part.local_shape) for part in parts[:i]) for i in range(len(parts))]
-                out[name] = list(zip(parts, starts))
-            self._shard_metadata = out
+            self._shard_metadata = boxes.megatron_shards(self.module, shapes, metadata)
         return self._shard_metadata
 
     def piece_shards(self, tensors: dict[str, torch.Tensor], key_prefix: str = "", metadata=None) -> dict[str, list]:
         """ShardedTensors of this rank's pieces: ``tensors`` maps a slot name (a local parameter name,
         or ``NAME[q]`` for a Q, K or V block placed apart) to the flat data of its piece (weights, a
-        master, a moment); each element range it covers of megatron's tensor(s) (one, or a block's
-        rows of each query group) becomes at most three boxes per dimension (:func:`_run_shards`),
-        uneven shards that DCP checks for coverage (megatron-core 0.16.1 refuses flattened_range).
-        Keys are ``key_prefix + megatron key``; the DP coordinate of the replica id is the replica
-        rank: owners' ranges are disjoint."""
+        master, a moment), cut into boxes of megatron's tensors (checkpoint/boxes.py: piece_shards)
+        under ``key_prefix + megatron key``."""
         replica = group_rank(self.groups.replica)
         by_name = {piece.slot.name: piece for state in self.units for piece in state.pieces}
+        shards = self.shard_metadata(metadata)
         out = {}
         for name, data in tensors.items():
-            piece, flat = by_name[name], data.reshape(-1)
-            first, run, stride, count = piece.runs()
-            shards = []
-            for k in range(count):  # a range of the parameter, or a Q, K or V block's rows of each group
-                at, part = first + k * stride, flat[k * run : (k + 1) * run]
-                for sh, start in self.shard_metadata(metadata)[piece.slot.param_name]:
-                    shards += _run_shards(sh, start, at, part, key_prefix, replica)
-            if piece.numel and sum(sh.data.numel() for sh in shards) != piece.numel:
-                raise RuntimeError(
-                    f"checkpoint shards of {name} cover {sum(s.data.numel() for s in shards)} of {piece.numel} elements"
-                )
-            out[name] = shards
+            piece = by_name[name]
+            out[name] = boxes.piece_shards(piece, data, shards[piece.slot.param_name], key_prefix, replica)
         return out
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None) -> dict[str, list]:
