@@ -44,7 +44,7 @@ def main() -> None:
     from megatron_mfsdp import MatrixFSDPConfig
     from megatron_mfsdp.models.gpt import GPT_ADAPTER, build_gpt_model
     from megatron_mfsdp.placement import WHOLE, plan_units
-    from megatron_mfsdp.runtime.wrapper import unit_specs
+    from megatron_mfsdp.placement.specs import unit_specs
     from megatron_mfsdp.testing import tiny_gpt_config
 
     parallel_state.initialize_model_parallel(1, 1)

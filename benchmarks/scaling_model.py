@@ -228,12 +228,12 @@ MODELS = (
 @cache
 def unit_specs_for(shape: Shape, ns: NewtonSchulzCost = GPU_NS):
     """UnitSpecs of a megatron-core GPT of this shape (TP-local), classified and costed by the library
-    (runtime.wrapper.unit_specs with the GPT adapter's rules), from meta tensors: nothing allocated."""
+    (placement.specs.unit_specs with the GPT adapter's rules), from meta tensors: nothing allocated."""
     from megatron_mfsdp import MatrixFSDPConfig
     from megatron_mfsdp.config import muon_rule_set
     from megatron_mfsdp.models.adapter import ModelUnit
     from megatron_mfsdp.models.gpt import GPT_ADAPTER
-    from megatron_mfsdp.runtime.wrapper import unit_specs
+    from megatron_mfsdp.placement.specs import unit_specs
 
     s, t = shape, shape.tp
     kv = s.hidden // s.heads

@@ -54,6 +54,20 @@ class ProcessGroups:
     grad_stats: object | None = None
     """Ranks that hold distinct gradient elements (norms, inf checks): the world."""
 
+    # Mixture-of-experts groups, megatron-core's own (its MoE layers read the same ones); None
+    # where a job builds no megatron layout. With EP 1 and expert TP = TP they exist too.
+    ep: object | None = None
+    """Expert-model-parallel group: ranks holding different experts of one layer."""
+
+    expt_tp: object | None = None
+    """Expert tensor-parallel group (megatron's default: the TP group's size)."""
+
+    expt_dp: object | None = None
+    """Expert data-parallel group: ranks holding the same experts, world / (expert TP x EP x PP)."""
+
+    tp_ep_pp: object | None = None
+    """Expert TP x EP x PP: the ranks that together hold one copy of the experts."""
+
     @property
     def dp_shard_size(self) -> int:
         return group_size(self.dp_shard)
@@ -74,10 +88,33 @@ class ProcessGroups:
     def pp_size(self) -> int:
         return group_size(self.pp)
 
+    @property
+    def ep_size(self) -> int:
+        return group_size(self.ep)
+
+    @property
+    def ep_rank(self) -> int:
+        return group_rank(self.ep)
+
+    @property
+    def expt_tp_size(self) -> int:
+        return group_size(self.expt_tp)
+
+    @property
+    def expt_dp_size(self) -> int:
+        return group_size(self.expt_dp)
+
+    @property
+    def expt_dp_rank(self) -> int:
+        return group_rank(self.expt_dp)
+
     @classmethod
     def from_parallel_state(cls, replicate_size: int = 1) -> ProcessGroups:
         """Collective on every rank: megatron's groups (``initialize_model_parallel`` must have
-        run) plus the shard and replica groups of hybrid sharding."""
+        run) plus the shard and replica groups of hybrid sharding. The expert groups are megatron-core
+        0.16.1's (megatron/core/parallel_state.py: get_expert_model_parallel_group,
+        get_expert_tensor_parallel_group, get_expert_data_parallel_group,
+        get_expert_tensor_model_pipeline_parallel_group), which it builds for every layout."""
         from megatron.core import parallel_state as ps
 
         dp = ps.get_data_parallel_group()
@@ -94,6 +131,10 @@ class ProcessGroups:
             pp=pp,
             embedding=embedding,
             grad_stats=dist.group.WORLD,
+            ep=ps.get_expert_model_parallel_group(),
+            expt_tp=ps.get_expert_tensor_parallel_group(),
+            expt_dp=ps.get_expert_data_parallel_group(),
+            tp_ep_pp=ps.get_expert_tensor_model_pipeline_parallel_group(),
         )
 
     @classmethod

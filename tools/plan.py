@@ -163,7 +163,7 @@ def parse(argv: list[str] | None = None):
 
 
 def meta_units(shapes) -> list:
-    """ModelUnits of meta tensors of these shapes: what the runtime's unit_specs reads
+    """ModelUnits of meta tensors of these shapes: what placement/specs.py: unit_specs reads
     (names and shapes), so the planner sees what MatrixFSDP sees at start-up."""
     import torch
 
@@ -175,12 +175,12 @@ def meta_units(shapes) -> list:
 
 
 def specs_from_args(args) -> list:
-    """Planner specs of the model the (validated) flags describe, by the runtime's own unit_specs
-    (with Q, K and V apart if --mfsdp-split-qkv-owners asks)."""
+    """Planner specs of the model the (validated) flags describe, by the unit_specs MatrixFSDP plans from
+    (placement/specs.py; with Q, K and V apart if --mfsdp-split-qkv-owners asks)."""
     from types import SimpleNamespace
 
     from megatron_mfsdp.models.gpt import GPT_ADAPTER
-    from megatron_mfsdp.runtime.wrapper import unit_specs
+    from megatron_mfsdp.placement.specs import unit_specs
     from megatron_mfsdp.training.setup import runtime_config
 
     groups = args.num_query_groups if args.group_query_attention else args.num_attention_heads

@@ -66,7 +66,7 @@ def _parameter_state(member) -> dict:
 def _model_pieces(chunks) -> list:
     """What must match for a file to load: MatrixFSDP's plan digests, or the DDP chunks' parameter shapes."""
     if not _megatron_ddp(chunks):
-        return [chunk.plan.digest() for chunk in chunks]
+        return [chunk.plan_digest() for chunk in chunks]
     return [[[name, list(p.shape)] for name, p in chunk.module.named_parameters()] for chunk in chunks]
 
 

@@ -173,9 +173,9 @@ class MatrixFSDPOptimizer(MegatronOptimizer):
         return list(members.values())
 
     def _add_pieces(self, config, chunk, param_groups) -> None:
-        tp_rank, shard_rank = group_rank(self.tp_group), group_rank(chunk.groups.dp_shard)
-        primary_replica = group_rank(chunk.groups.replica) == 0
+        tp_rank = group_rank(self.tp_group)
         for unit in chunk.units:
+            shard_rank, primary_replica = unit.domain.dp_rank, unit.domain.replica_rank == 0  # its shard domain's
             master = self._seed_master(unit, chunk)
             for piece in unit.pieces:
                 slot, param = piece.slot, unit.by_name[piece.slot.param_name]
@@ -397,7 +397,7 @@ class MatrixFSDPOptimizer(MegatronOptimizer):
 
     # ---------------------------------------------------------- state dicts
     def _layout_digest(self) -> list[str]:
-        return [chunk.plan.digest() for chunk in self.model_chunks]
+        return [chunk.plan_digest() for chunk in self.model_chunks]
 
     def state_dict(self):
         """This rank's optimizer state: masters and moments of the pieces it owns,

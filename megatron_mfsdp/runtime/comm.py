@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from ..compat.collectives import all_gather_single, reduce_scatter_single
-from ..groups import ProcessGroups
+from ..groups import ProcessGroups, group_rank, group_size
 from ..placement.layout import UnitLayout
 from ..placement.verify import GATHER, REDUCE, start_signature
 from .chain import CHUNK_BYTES, Chain
@@ -147,11 +147,23 @@ class SegmentComm:
     ``traffic[phase]`` holds [bytes in, bytes out] of this rank, each call charged as NCCL's ring
     algorithms move it (runtime/traffic.py); ``log``, when a list, gets a :class:`LinkCall` per
     unit operation (tests and benchmarks set it). ``transient`` is the largest buffer (bytes) a
-    gather or reduction has allocated."""
+    gather or reduction has allocated. The groups are ``groups``' dense pair (``dp_shard``,
+    ``replica``), or without ``groups`` a shard domain's ``shard`` and ``replica`` (runtime/domain.py)."""
 
-    def __init__(self, groups: ProcessGroups, verify: bool = True, device=None, reduce_order: str = "auto"):
-        self.group, self.replica = groups.dp_shard, groups.replica
-        self.rank, self.world = groups.dp_shard_rank, groups.dp_shard_size
+    def __init__(
+        self,
+        groups: ProcessGroups | None = None,
+        verify: bool = True,
+        device=None,
+        reduce_order: str = "auto",
+        *,
+        shard=None,
+        replica=None,
+    ):
+        if groups is not None:
+            shard, replica = groups.dp_shard, groups.replica
+        self.group, self.replica = shard, replica
+        self.rank, self.world = group_rank(shard), group_size(shard)
         self.verify = verify and self.world > 1
         self.device = device
         backend = dist.get_backend(self.group) if self.world > 1 else "none"

@@ -24,26 +24,31 @@ from collections.abc import Iterator
 import torch
 from torch.utils._pytree import tree_flatten
 
+from ..checkpoint import boxes
 from ..config import MatrixFSDPConfig
-from ..groups import ProcessGroups, group_rank
+from ..groups import ProcessGroups
 from ..models import ModelAdapter, ModelUnit, adapter_for
-from ..placement.blocks import split_qkv_blocks
-from ..placement.layout import ParamSpec, Plan, UnitLayout, UnitSpec
-from ..placement.planner import plan_units
-from ..placement.verify import verify_plan_agreement
+from ..placement.layout import UnitLayout, UnitSpec
+from ..placement.specs import unit_specs
 from ..precision import UnitCodec, fp8_slot_names, new_fp8_state, te_available, te_float8_weight
 from ..profiling import GATHER, REDUCE, WAIT, profile_range
-from .comm import SegmentComm, all_reduce_flat, param_runs_view
+from .comm import all_reduce_flat, param_runs_view
+from .domain import DENSE, ShardDomain, build_domain
 from .main_grad import MainGrads
 from .traffic import UnitWire, iteration_links
 
 
 class _UnitState:
-    """Runtime state of one unit on this rank."""
+    """Runtime state of one unit on this rank, in its shard domain (whose comm moves it)."""
 
-    def __init__(self, unit: ModelUnit, layout: UnitLayout, rank: int, dtype: torch.dtype, grad_dtype, device):
+    def __init__(
+        self, unit: ModelUnit, layout: UnitLayout, domain: ShardDomain, dtype: torch.dtype, grad_dtype, device
+    ):
         self.unit = unit
         self.layout = layout
+        self.domain = domain
+        self.index = layout.index  # in model order over every domain: MatrixFSDP sets it
+        rank = domain.dp_rank
         self.tensors = list(unit.params)  # (name, parameter), each once, in model order
         self.by_name = dict(unit.params)
         self.shapes = {name: tuple(p.shape) for name, p in unit.params}
@@ -95,76 +100,6 @@ def _block_slots(layout: UnitLayout, shapes: dict) -> dict[str, list]:
     return blocks
 
 
-def unit_specs(units: list[ModelUnit], ddp_config: MatrixFSDPConfig, adapter: ModelAdapter, config) -> list[UnitSpec]:
-    """Classify and cost the parameters of model units for the planner: user rules first, then the
-    model's roles (``ddp_config.rules``: each one's storage, cost and state bytes, from the optimizer's
-    registry); Q, K and V split where the matrix rule updates them apart, and with ``split_qkv_owners``
-    placed as items of their own."""
-    rules = ddp_config.rules.extended(adapter.param_roles())
-    specs = []
-    for unit in units:
-        params = []
-        for name, p in unit.params:
-            rule, shape = rules.classify(name, p.shape), tuple(p.shape)
-            split = adapter.split_rows(name, config) if rules.splits_qkv(rule) else None
-            spec = ParamSpec(name, shape, rule, rules.storage(rule), rules.cost(rule, shape, split), split)
-            spec.state_bytes = rules.state_bytes(rule, shape)
-            params.append(spec)
-        specs.append(UnitSpec(unit.name, params))
-    return split_qkv_blocks(specs, ddp_config.split_qkv_owners, rules.cost, rules.state_bytes)
-
-
-def _run_shards(sh, start: int, at: int, data: torch.Tensor, key_prefix: str, replica: int) -> list:
-    """ShardedTensors of ``data``, elements [at, at + len) of a flattened parameter, where they fall in
-    megatron's tensor ``sh`` (elements [start, ...) of that parameter): at most three boxes per
-    dimension (partial row, whole rows, partial row)."""
-    from megatron.core.dist_checkpointing import ShardedTensor
-
-    lo = max(start, at) - start
-    hi = min(start + math.prod(sh.local_shape), at + data.numel()) - start
-    out = []
-    for offset, size, pos in flat_boxes(lo, hi, tuple(sh.local_shape)) if lo < hi else ():
-        begin, pre = start + pos - at, sh.prepend_axis_num
-        # Uneven shards take full-rank shapes: megatron's uneven path ignores prepend_axis_num.
-        size = (1,) * pre + size
-        out.append(
-            ShardedTensor(
-                key=key_prefix + sh.key,
-                data=data[begin : begin + math.prod(size)].view(size),
-                dtype=data.dtype,
-                local_shape=size,
-                global_shape=sh.global_shape,
-                global_offset=(*sh.global_offset[:pre], *(g + o for g, o in zip(sh.global_offset[pre:], offset))),
-                axis_fragmentations=None,
-                replica_id=(*sh.replica_id[:2], replica),
-            )
-        )
-    return out
-
-
-def flat_boxes(lo: int, hi: int, shape: tuple[int, ...]) -> list[tuple[tuple, tuple, int]]:
-    """The flat element range [lo, hi) of a C-contiguous tensor of ``shape`` as boxes
-    (offset, size, flat start), in order: a partial leading row, whole rows, a partial last row."""
-    if len(shape) <= 1:
-        return [((lo,), (hi - lo,), lo)]
-    inner = math.prod(shape[1:])
-    first, last = lo // inner, (hi - 1) // inner
-    if first == last and (lo % inner or hi - lo < inner):
-        return [
-            ((first, *o), (1, *s), first * inner + a)
-            for o, s, a in flat_boxes(lo % inner, lo % inner + hi - lo, shape[1:])
-        ]
-    boxes, begin, end = [], lo, (hi // inner) * inner
-    if lo % inner:
-        begin = (first + 1) * inner
-        boxes += flat_boxes(lo, begin, shape)
-    if end > begin:
-        boxes.append(((begin // inner, *(0,) * (len(shape) - 1)), ((end - begin) // inner, *shape[1:]), begin))
-    if hi > end:
-        boxes += flat_boxes(end, hi, shape)
-    return boxes
-
-
 class MatrixFSDP(torch.nn.Module):
     """Owner-sharded ZeRO-3 wrapper of a megatron-core model chunk.
 
@@ -185,33 +120,28 @@ class MatrixFSDP(torch.nn.Module):
         super().__init__()
         self.config, self.ddp_config, self.module = config, ddp_config, module
         self.groups = groups if groups is not None else ProcessGroups.from_parallel_state()
-        self.dp_rank, self.dp_size = self.groups.dp_shard_rank, self.groups.dp_shard_size
-        # Averaged over DP like megatron's DDP; with a per-token loss the schedule's finalize step
-        # divides by the global token count instead (megatron's calculate_per_token_loss).
-        per_token = getattr(config, "calculate_per_token_loss", False)
-        self.gradient_scaling_factor = 1.0 if per_token else 1.0 / (self.dp_size * self.groups.replica_size)
         adapter = adapter if adapter is not None else adapter_for(module)
         units = adapter.units(module)
         self.global_names: dict[str, str] = adapter.global_names(module)
-        self.plan: Plan = plan_units(unit_specs(units, ddp_config, adapter, config), self.dp_size, ddp_config.planner)
-        verify_plan_agreement(self.plan, self.groups.dp_shard)
-        if self.groups.tp_size > 1:  # a matrix's TP shards must share one DP owner
-            verify_plan_agreement(self.plan, self.groups.tp)
         dtypes = {p.dtype for u in units for _, p in u.params}
         if len(dtypes) != 1:
             raise ValueError(f"MatrixFSDP needs one parameter dtype per model chunk, found {dtypes}")
         self.param_dtype = dtypes.pop()
         self.device = next(p.device for u in units for _, p in u.params)
-        self.plan.element_size = torch.empty(0, dtype=self.param_dtype).element_size()
         grad_dtype = torch.float32 if ddp_config.grad_reduce_in_fp32 else self.param_dtype
         self.grad_dtype = grad_dtype  # the wire dtype of the reduction (the owner accumulates in fp32)
-        self.comm = SegmentComm(self.groups, ddp_config.verify_collectives, self.device, ddp_config.reduce_order)
+        specs = unit_specs(units, ddp_config, adapter, config)
+        self.domains: dict[str, ShardDomain] = {DENSE: self._dense_domain(specs)}
+        self._shard_metadata: dict[str, list] | None = None  # megatron's checkpoint metadata, on first use
         self._in_flight: deque = deque()  # (unit state, PendingReduce) of reductions not yet waited for
         self._empty = torch.empty(0, dtype=self.param_dtype, device=self.device)
-        self.units = [
-            _UnitState(u, layout, self.dp_rank, self.param_dtype, grad_dtype, self.device)
-            for u, layout in zip(units, self.plan.units)
+        self.units = [  # every domain's units, in model order (today all dense)
+            _UnitState(u, layout, self.dense, self.param_dtype, grad_dtype, self.device)
+            for u, layout in zip(units, self.dense.plan.units)
         ]
+        for index, state in enumerate(self.units):
+            state.index = index  # the place in model order that prefetch walks (a layout's index counts in its plan)
+            state.domain.units.append(state)
         self._materialize_fp8 = None  # TE's FP8 tensor on a GPU with TE; None dequantizes
         self._shard_initial_weights()
         if getattr(config, "gradient_accumulation_fusion", False):  # the layers read weight.main_grad
@@ -223,6 +153,38 @@ class MatrixFSDP(torch.nn.Module):
         self._install_hooks()
 
     # ------------------------------------------------------------------ setup
+    def _dense_domain(self, specs: list[UnitSpec]) -> ShardDomain:
+        """Dense parameters over the DP shard group (its replicas with --mfsdp-replicate-size),
+        averaged over DP like megatron's DDP; with a per-token loss the schedule's finalize step
+        divides by the global token count instead (megatron's calculate_per_token_loss)."""
+        domain = build_domain(
+            DENSE,
+            self.groups.dp_shard,
+            self.groups.replica,
+            specs,
+            self.ddp_config,
+            per_token=getattr(self.config, "calculate_per_token_loss", False),
+            agree_over=(self.groups.tp,),  # a matrix's TP shards must share one DP owner
+            verify=self.ddp_config.verify_collectives,
+            device=self.device,
+            reduce_order=self.ddp_config.reduce_order,
+        )
+        domain.plan.element_size = torch.empty(0, dtype=self.param_dtype).element_size()
+        return domain
+
+    @property
+    def dense(self) -> ShardDomain:
+        """The dense parameters' domain (every unit's, until experts have one of their own)."""
+        return self.domains[DENSE]
+
+    # The dense domain's plan, comm, ranks and scaling, under the names megatron-core's DDP, the
+    # optimizer, checkpoints and tools read.
+    plan = property(lambda self: self.dense.plan)
+    comm = property(lambda self: self.dense.comm)
+    dp_rank = property(lambda self: self.dense.dp_rank)
+    dp_size = property(lambda self: self.dense.dp_size)
+    gradient_scaling_factor = property(lambda self: self.dense.gradient_scaling_factor)
+
     @torch.no_grad()
     def _shard_initial_weights(self) -> None:
         """Keep this rank's segment of the (identically initialized) full weights,
@@ -244,7 +206,7 @@ class MatrixFSDP(torch.nn.Module):
             names = fp8_slot_names(state.layout, self.global_names, num_layers, ddp_config.fp8_bf16_layers)
             if not names:
                 continue
-            state.codec = UnitCodec(state.layout, self.dp_rank, names, ddp_config.fp8, self.param_dtype)
+            state.codec = UnitCodec(state.layout, state.domain.dp_rank, names, ddp_config.fp8, self.param_dtype)
             state.initial_values = state.param_segment
             state.param_segment = torch.empty(state.codec.segment_nbytes(), dtype=torch.uint8, device=self.device)
             fresh = {name: new_fp8_state(ddp_config.fp8, self.device) for name in names}
@@ -279,7 +241,7 @@ class MatrixFSDP(torch.nn.Module):
                 state.forward_refs += 1
                 if module is state.unit.modules[0]:  # not at extra sites (a tied output layer)
                     state.held_to_sites = bool(state.unit.extra_sites)
-                    self._prefetch(state.layout.index, +1)
+                    self._prefetch(state.index, +1)
 
         return hook
 
@@ -307,7 +269,7 @@ class MatrixFSDP(torch.nn.Module):
                     state.held_for_backward = True
                     if state.main_grads is not None:
                         state.main_grads.materialize()
-                    self._prefetch(state.layout.index, -1)
+                    self._prefetch(state.index, -1)
             return None
 
         return hook
@@ -344,7 +306,7 @@ class MatrixFSDP(torch.nn.Module):
 
     def _start_gather(self, state: _UnitState, phase: str):
         with profile_range(GATHER.format(state.layout.name)):
-            return self.comm.start_gather(state.wire, state.param_segment, phase)
+            return state.domain.comm.start_gather(state.wire, state.param_segment, phase)
 
     def _acquire(self, state: _UnitState, phase: str = "other") -> None:
         if state.full is not None:
@@ -386,14 +348,15 @@ class MatrixFSDP(torch.nn.Module):
             # gradients over TP (megatron's finalize_model_grads does the same).
             sp = [grads[n] for n, p in state.tensors if n in grads and getattr(p, "sequence_parallel", False)]
             all_reduce_flat(sp, self.groups.tp)
-        packed = self.comm.pack_grads(layout, grads, state.grad_dtype, self.gradient_scaling_factor)
+        domain = state.domain
+        packed = domain.comm.pack_grads(layout, grads, state.grad_dtype, domain.gradient_scaling_factor)
         for _, p in state.tensors:
             p.grad = None
         if state.main_grads is not None:
             state.main_grads.free()
         overlap = self.ddp_config.overlap_grad_reduce
         with profile_range(REDUCE.format(layout.name)):
-            pending = self.comm.start_reduce(layout, packed)
+            pending = domain.comm.start_reduce(layout, packed)
         state.grads_seen = set()
         state.held_for_backward = False
         self._release(state)
@@ -478,11 +441,12 @@ class MatrixFSDP(torch.nn.Module):
         self.wait_for_reductions()
         out = []
         for state in self.units:
+            comm = state.domain.comm
             if which == "param":
-                full = self.comm.start_gather(state.wire, state.param_segment).wait()
+                full = comm.start_gather(state.wire, state.param_segment).wait()
                 out.append(full if state.codec is None else state.codec.decode_flat(full))
             else:
-                out.append(self.comm.start_gather(state.layout, state.grad_segment).wait())
+                out.append(comm.start_gather(state.layout, state.grad_segment).wait())
         return out
 
     def traffic_per_iteration(self, num_micro: int) -> dict[str, tuple[int, int]]:
@@ -490,19 +454,25 @@ class MatrixFSDP(torch.nn.Module):
         operation the busiest rank's larger direction, summed; ZeRO-3's bytes per rank for the same
         operations). Each unit is gathered once in forward (a tied embedding is held to the output
         layer) and once in backward, and reduced once, per micro-batch (runtime/traffic.py);
-        ``comm.traffic`` and ``comm.log`` count what actually moved (the tests compare them)."""
-        param_elsize = self.plan.element_size
-        units = [
-            UnitWire(
-                s.layout,
-                s.wire,
-                s.param_segment.element_size(),
-                param_elsize,
-                sum(slot.numel for slot, p in s.params if p.requires_grad),
-            )
-            for s in self.units
-        ]
-        return iteration_links(units, num_micro, self.comm.reduce_order, self.grad_dtype.itemsize)
+        ``comm.traffic`` and ``comm.log`` count what actually moved (the tests compare them). Each
+        domain's calls run over its own shard group, one after another: their bytes add."""
+        totals: dict[str, tuple[int, int]] = {}
+        for domain in self.domains.values():
+            units = [
+                UnitWire(
+                    s.layout,
+                    s.wire,
+                    s.param_segment.element_size(),
+                    domain.plan.element_size,
+                    sum(slot.numel for slot, p in s.params if p.requires_grad),
+                )
+                for s in domain.units
+            ]
+            links = iteration_links(units, num_micro, domain.comm.reduce_order, self.grad_dtype.itemsize)
+            for phase, (ours, zero3) in links.items():
+                before = totals.get(phase, (0, 0))
+                totals[phase] = (before[0] + ours, before[1] + zero3)
+        return totals
 
     def traffic_line(self, num_micro: int) -> str:
         """The start-up line: per phase, the busiest rank of each call summed over an iteration, and
@@ -523,69 +493,33 @@ class MatrixFSDP(torch.nn.Module):
             "grads": sum(s.grad_segment.numel() * s.grad_segment.element_size() for s in self.units),
         }
 
+    def plan_digest(self) -> str:
+        """What a same-layout checkpoint must match: the dense plan's digest, then any other domain's as
+        ``name:digest`` (one domain: its plan's digest, as checkpoints stored before domains)."""
+        rest = [f"{name}:{domain.plan.digest()}" for name, domain in self.domains.items() if name != DENSE]
+        return "|".join([self.dense.plan.digest(), *rest])
+
     # ------------------------------------------------------ checkpoint shards
-    @torch.no_grad()
     def shard_metadata(self, metadata=None) -> dict[str, list]:
-        """Local parameter name -> [(megatron ShardedTensor, flat start in the TP-local tensor)]:
-        megatron-core's own ``sharded_state_dict`` of the module (keys, layer and TP offsets, replica
-        ids; SwiGLU fc1 as its two halves), computed on shape-only stand-ins of the released weights."""
-        from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
-
-        if getattr(self, "_shard_metadata", None) is None:
-            names = {id(p): name for name, p in self.module.named_parameters()}
+        """Local parameter name -> [(megatron ShardedTensor, flat start in the TP-local tensor)], from
+        megatron-core's own ``sharded_state_dict`` of the module (checkpoint/boxes.py), once."""
+        if self._shard_metadata is None:
             shapes = {name: shape for state in self.units for name, shape in state.shapes.items()}
-
-            def stand_in(p, shape):
-                return torch.empty((), dtype=p.dtype, device=p.device).expand(shape)
-
-            kept = {}
-            for state in self.units:
-                for name, p in state.tensors:
-                    kept[id(p)] = p.data
-                    p.data = stand_in(p, shapes[name])
-            try:
-                sharded = self.module.sharded_state_dict(prefix="", metadata=metadata)
-            finally:
-                for state in self.units:
-                    for _, p in state.tensors:
-                        p.data = kept[id(p)]
-            out = {}
-            for sh in sharded.values():
-                name = names.get(id(getattr(sh, "data", None)))
-                if name is None:
-                    continue  # _extra_state objects: not tensors, not saved
-                parts = [sh]
-                if isinstance(sh, ShardedTensorFactory):
-                    parts = sh.build_fn(sh.key, stand_in(sh.data, shapes[name]), sh.replica_id, None)
-                starts = [sum(math.prod(part.local_shape) for part in parts[:i]) for i in range(len(parts))]
-                out[name] = list(zip(parts, starts))
-            self._shard_metadata = out
+            self._shard_metadata = boxes.megatron_shards(self.module, shapes, metadata)
         return self._shard_metadata
 
     def piece_shards(self, tensors: dict[str, torch.Tensor], key_prefix: str = "", metadata=None) -> dict[str, list]:
         """ShardedTensors of this rank's pieces: ``tensors`` maps a slot name (a local parameter name,
         or ``NAME[q]`` for a Q, K or V block placed apart) to the flat data of its piece (weights, a
-        master, a moment); each element range it covers of megatron's tensor(s) (one, or a block's
-        rows of each query group) becomes at most three boxes per dimension (:func:`_run_shards`),
-        uneven shards that DCP checks for coverage (megatron-core 0.16.1 refuses flattened_range).
-        Keys are ``key_prefix + megatron key``; the DP coordinate of the replica id is the replica
-        rank: owners' ranges are disjoint."""
-        replica = group_rank(self.groups.replica)
-        by_name = {piece.slot.name: piece for state in self.units for piece in state.pieces}
+        master, a moment), cut into boxes of megatron's tensors (checkpoint/boxes.py: piece_shards)
+        under ``key_prefix + megatron key``."""
+        by_name = {piece.slot.name: (piece, state.domain) for state in self.units for piece in state.pieces}
+        shards = self.shard_metadata(metadata)
         out = {}
         for name, data in tensors.items():
-            piece, flat = by_name[name], data.reshape(-1)
-            first, run, stride, count = piece.runs()
-            shards = []
-            for k in range(count):  # a range of the parameter, or a Q, K or V block's rows of each group
-                at, part = first + k * stride, flat[k * run : (k + 1) * run]
-                for sh, start in self.shard_metadata(metadata)[piece.slot.param_name]:
-                    shards += _run_shards(sh, start, at, part, key_prefix, replica)
-            if piece.numel and sum(sh.data.numel() for sh in shards) != piece.numel:
-                raise RuntimeError(
-                    f"checkpoint shards of {name} cover {sum(s.data.numel() for s in shards)} of {piece.numel} elements"
-                )
-            out[name] = shards
+            piece, domain = by_name[name]
+            replica = domain.replica_rank  # the replica id's DP coordinate: one replica saves
+            out[name] = boxes.piece_shards(piece, data, shards[piece.slot.param_name], key_prefix, replica)
         return out
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None) -> dict[str, list]:

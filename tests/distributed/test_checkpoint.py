@@ -59,7 +59,7 @@ def test_weights_and_optimizer_state_saved_at_dp2_load_at_dp1_dp2_dp4(tmp_path):
 
 
 def test_flat_boxes_cover_every_range_exactly_once():
-    from megatron_mfsdp.runtime.wrapper import flat_boxes
+    from megatron_mfsdp.checkpoint.boxes import flat_boxes
 
     for shape in [(7,), (4, 5), (3, 4, 5)]:
         n = math.prod(shape)

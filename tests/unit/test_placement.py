@@ -8,7 +8,7 @@ from megatron_mfsdp.models.gpt import GPT_ADAPTER, build_gpt_model, gpt_param_ro
 from megatron_mfsdp.optim import registry
 from megatron_mfsdp.placement import SLICE, WHOLE, ParamSpec, UnitSpec, balance, plan_units
 from megatron_mfsdp.placement.bounds import plan_bounds
-from megatron_mfsdp.runtime.wrapper import unit_specs
+from megatron_mfsdp.placement.specs import unit_specs
 from megatron_mfsdp.testing import init_megatron, optimizer_config, run_workers, tiny_gpt_config
 
 GPT_RULES = registry.rule_set(gpt_param_roles(), optimizer_config())

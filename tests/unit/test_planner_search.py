@@ -271,7 +271,7 @@ def _meta_specs_worker(rank, world_size, cases, specs, world_sizes):
     computed in this process."""
     from megatron_mfsdp.config import MatrixFSDPConfig
     from megatron_mfsdp.models.gpt import GPT_ADAPTER, build_gpt_model
-    from megatron_mfsdp.runtime.wrapper import unit_specs
+    from megatron_mfsdp.placement.specs import unit_specs
     from megatron_mfsdp.training.configs import gpt_model_kwargs_from_args, transformer_config_from_args
 
     built = []

@@ -67,6 +67,7 @@ def test_no_private_names_imported_across_modules():
             ("megatron_mfsdp.models", "megatron_mfsdp.optim", "megatron_mfsdp.runtime", "megatron_mfsdp.training"),
         ),
         ("optim", ("megatron_mfsdp.training", "megatron_mfsdp.models")),
+        # The runtime may use checkpoint/boxes.py's geometry: checkpoint/ never imports runtime/ (below).
         ("runtime", ("megatron_mfsdp.training",)),
         (
             "models",

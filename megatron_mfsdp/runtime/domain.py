@@ -1,0 +1,78 @@
+"""A shard domain: the units whose segments live on one shard group, with that group's plan, its
+communication and its gradient scaling.
+
+Dense parameters are sharded over the DP shard group. Experts (issue 28) will be sharded over
+megatron-core's expert-data-parallel group, and a rank sits in both, so the wrapper holds a domain
+per shard group rather than one group, plan and comm per chunk: every gather, reduction and scaling
+of a unit goes through the domain it belongs to."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..groups import group_rank, group_size
+from ..placement.layout import Plan, UnitSpec
+from ..placement.planner import plan_units
+from ..placement.verify import verify_plan_agreement
+from .comm import SegmentComm
+
+DENSE = "dense"
+
+
+@dataclass
+class ShardDomain:
+    """One shard group's units and what moves and scales them."""
+
+    name: str
+    """What the domain holds: "dense" (today the only one), later "expert"."""
+
+    shard: object
+    """The ranks among which the domain's owners are planned (None: this rank alone)."""
+
+    replica: object | None
+    """Ranks holding the same segments in other shard groups (hybrid sharding), else None."""
+
+    plan: Plan
+    """The owner plan of the domain's units, equal on every rank of ``shard`` (and of its TP group)."""
+
+    comm: SegmentComm
+    """Gathers and reductions over ``shard`` (then ``replica``)."""
+
+    gradient_scaling_factor: float
+    """Applied to every gradient as it is packed for reduction: 1 / (shard x replica ranks), megatron
+    DDP's average; 1 with a per-token loss (megatron's finalize step divides by the token count)."""
+
+    units: list = field(default_factory=list)
+    """The wrapper's unit states in this domain, in model order (each one's ``domain`` is this)."""
+
+    @property
+    def dp_rank(self) -> int:
+        return group_rank(self.shard)
+
+    @property
+    def dp_size(self) -> int:
+        return group_size(self.shard)
+
+    @property
+    def replica_rank(self) -> int:
+        return group_rank(self.replica)
+
+    @property
+    def replica_size(self) -> int:
+        return group_size(self.replica)
+
+
+def build_domain(
+    name: str, shard, replica, specs: list[UnitSpec], ddp_config, per_token: bool, agree_over=(), **comm_kwargs
+) -> ShardDomain:
+    """Plan ``specs`` over ``shard`` and check that every rank of ``shard`` and of each group in
+    ``agree_over`` (a matrix's TP shards must share one owner) computed the same plan; then the
+    domain's comm (``comm_kwargs``: SegmentComm's verify, device, reduce_order) and scaling.
+    Collective over those groups."""
+    world = group_size(shard)
+    plan = plan_units(specs, world, ddp_config.planner)
+    for group in (shard, *agree_over):
+        verify_plan_agreement(plan, group)
+    comm = SegmentComm(shard=shard, replica=replica, **comm_kwargs)
+    scaling = 1.0 if per_token else 1.0 / (world * group_size(replica))
+    return ShardDomain(name, shard, replica, plan, comm, scaling)
