@@ -17,6 +17,7 @@ from ..placement.verify import verify_plan_agreement
 from .comm import SegmentComm
 
 DENSE = "dense"
+EXPERT = "expert"
 
 
 @dataclass

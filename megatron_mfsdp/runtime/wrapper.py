@@ -16,6 +16,7 @@ returns when that view dies.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import weakref
 from collections import deque
@@ -33,7 +34,7 @@ from ..placement.specs import unit_specs
 from ..precision import UnitCodec, fp8_slot_names, new_fp8_state, te_available, te_float8_weight
 from ..profiling import GATHER, REDUCE, WAIT, profile_range
 from .comm import all_reduce_flat, param_runs_view
-from .domain import DENSE, ShardDomain, build_domain
+from .domain import DENSE, EXPERT, ShardDomain, build_domain
 from .main_grad import MainGrads
 from .traffic import UnitWire, iteration_links
 
@@ -100,6 +101,28 @@ def _block_slots(layout: UnitLayout, shapes: dict) -> dict[str, list]:
     return blocks
 
 
+def is_expert(param: torch.nn.Parameter) -> bool:
+    """megatron-core marks an expert's parameters ``allreduce = False`` (tensor_parallel/layers.py, the
+    TE extensions): their gradients are reduced over expert data parallelism, not DP."""
+    return not getattr(param, "allreduce", True)
+
+
+def split_expert_units(units: list[ModelUnit], groups: ProcessGroups) -> list[tuple[ModelUnit, str]]:
+    """Each unit as (its dense part, DENSE) and (its experts, EXPERT), in model order, the two sharing
+    the unit's modules (acquired and released together). Experts get a domain of their own only where
+    expert parallelism makes their group differ from DP (EP above 1); at EP 1 they are dense matrices."""
+    if groups.ep_size == 1:
+        return [(u, DENSE) for u in units]
+    out = []
+    for unit in units:
+        for name, params in ((DENSE, [p for p in unit.params if not is_expert(p[1])]),
+                             (EXPERT, [p for p in unit.params if is_expert(p[1])])):  # fmt: skip
+            if params:
+                suffix = ".experts" if name == EXPERT else ""
+                out.append((dataclasses.replace(unit, name=unit.name + suffix, params=params), name))
+    return out
+
+
 class MatrixFSDP(torch.nn.Module):
     """Owner-sharded ZeRO-3 wrapper of a megatron-core model chunk.
 
@@ -130,14 +153,19 @@ class MatrixFSDP(torch.nn.Module):
         self.device = next(p.device for u in units for _, p in u.params)
         grad_dtype = torch.float32 if ddp_config.grad_reduce_in_fp32 else self.param_dtype
         self.grad_dtype = grad_dtype  # the wire dtype of the reduction (the owner accumulates in fp32)
-        specs = unit_specs(units, ddp_config, adapter, config)
-        self.domains: dict[str, ShardDomain] = {DENSE: self._dense_domain(specs)}
+        parts = split_expert_units(units, self.groups)  # (unit, its domain's name), in model order
+        self.domains: dict[str, ShardDomain] = {}
+        for name in (DENSE, EXPERT):
+            mine = [u for u, domain in parts if domain == name]
+            if mine or name == DENSE:
+                self.domains[name] = self._domain(name, unit_specs(mine, ddp_config, adapter, config))
         self._shard_metadata: dict[str, list] | None = None  # megatron's checkpoint metadata, on first use
         self._in_flight: deque = deque()  # (unit state, PendingReduce) of reductions not yet waited for
         self._empty = torch.empty(0, dtype=self.param_dtype, device=self.device)
-        self.units = [  # every domain's units, in model order (today all dense)
-            _UnitState(u, layout, self.dense, self.param_dtype, grad_dtype, self.device)
-            for u, layout in zip(units, self.dense.plan.units)
+        layouts = {name: iter(domain.plan.units) for name, domain in self.domains.items()}
+        self.units = [  # every domain's units, in model order
+            _UnitState(u, next(layouts[name]), self.domains[name], self.param_dtype, grad_dtype, self.device)
+            for u, name in parts
         ]
         for index, state in enumerate(self.units):
             state.index = index  # the place in model order that prefetch walks (a layout's index counts in its plan)
@@ -153,22 +181,39 @@ class MatrixFSDP(torch.nn.Module):
         self._install_hooks()
 
     # ------------------------------------------------------------------ setup
-    def _dense_domain(self, specs: list[UnitSpec]) -> ShardDomain:
-        """Dense parameters over the DP shard group (its replicas with --mfsdp-replicate-size),
-        averaged over DP like megatron's DDP; with a per-token loss the schedule's finalize step
-        divides by the global token count instead (megatron's calculate_per_token_loss)."""
+    def _domain(self, name: str, specs: list[UnitSpec]) -> ShardDomain:
+        """Dense parameters over the DP shard group (its replicas with --mfsdp-replicate-size), experts
+        over megatron-core's expert-data-parallel group, both averaged over DP like megatron-core's
+        DDP: without ``average_in_collective`` it scales dense and expert gradients alike by 1 / DP
+        (distributed/distributed_data_parallel.py at core_v0.16.1), an expert's gradient already
+        holding its EP peers' tokens. With a per-token loss the schedule's finalize step divides by the
+        global token count instead (megatron's calculate_per_token_loss)."""
+        expert = name == EXPERT
+        if expert and self.groups.replica is not None:
+            raise ValueError(
+                "--mfsdp-replicate-size above 1 with --expert-model-parallel-size above 1: hybrid sharding of the "
+                "expert domain is not built yet"
+            )
+        if expert and self.ddp_config.layout != "owner":
+            raise ValueError(
+                f"--mfsdp-layout {self.ddp_config.layout} with --expert-model-parallel-size above 1: the even "
+                "layout's rebuild of expert matrices over expert data parallelism is not built yet"
+            )
+        per_token = getattr(self.config, "calculate_per_token_loss", False)
         domain = build_domain(
-            DENSE,
-            self.groups.dp_shard,
-            self.groups.replica,
+            name,
+            self.groups.expt_dp if expert else self.groups.dp_shard,
+            None if expert else self.groups.replica,
             specs,
             self.ddp_config,
-            per_token=getattr(self.config, "calculate_per_token_loss", False),
-            agree_over=(self.groups.tp,),  # a matrix's TP shards must share one DP owner
+            per_token=per_token,
+            agree_over=(self.groups.expt_tp if expert else self.groups.tp,),  # TP shards share one owner
             verify=self.ddp_config.verify_collectives,
             device=self.device,
             reduce_order=self.ddp_config.reduce_order,
         )
+        if expert and not per_token:
+            domain.gradient_scaling_factor = 1.0 / (self.groups.dp_shard_size * self.groups.replica_size)
         domain.plan.element_size = torch.empty(0, dtype=self.param_dtype).element_size()
         return domain
 
