@@ -10,7 +10,8 @@ from megatron_mfsdp.testing import free_port
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ITERATION_LINE = re.compile(
     r"iteration\s+(\d+)/\s*(\d+) \| consumed samples:\s+(\d+) \| elapsed time per iteration \(ms\): ([\d.]+) \|"
-    r" learning rate: ([\d.E+-]+) \| global batch size:\s+(\d+) \| lm loss: ([\d.E+-]+) \| loss scale: ([\d.]+) \|"
+    r" learning rate: ([\d.E+-]+) \| global batch size:\s+(\d+) \| lm loss: ([\d.E+-]+) \|(?: \w+: [\d.E+-]+ \|)*"
+    r" loss scale: ([\d.]+) \|"
     r" grad norm: ([\d.]+) \| number of skipped iterations:\s+(\d+) \| number of nan iterations:\s+(\d+) \|"
     r" optimizer step time \(ms\): ([\d.]+) \| tokens per second: ([\d.]+) \|"
 )

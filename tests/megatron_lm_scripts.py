@@ -211,7 +211,7 @@ LLAMA3_8B_FP8 = [
 ]
 
 # examples/mixtral/train_mixtral_8x7b_distributed.sh (MODEL_ARGS, MOE_ARGS, DATA_ARGS, TRAINING_ARGS,
-# MODEL_PARALLEL_ARGS, LOGGING_ARGS): a mixture of experts, which megatron-mfsdp refuses clearly.
+# MODEL_PARALLEL_ARGS, LOGGING_ARGS): a mixture of experts (8 experts, top-2, EP 8, alltoall dispatcher).
 MIXTRAL_8X7B = [
     "--use-mcore-models",
     "--disable-bias-linear",
@@ -458,6 +458,8 @@ TINY_VALUES = {
     "--step-batch-size-schedule": ["0:2 64:4"],  # 64 tokens = 2 samples at --seq-length 32
     "--tensor-model-parallel-size": "1",
     "--pipeline-model-parallel-size": "1",
+    "--num-experts": "4",
+    "--expert-model-parallel-size": "2",
     "--eval-interval": "2",
     "--eval-iters": "1",
     "--log-interval": "1",

@@ -3,11 +3,13 @@
 megatron-core creates some tensors with ``device='cuda'`` or
 ``torch.cuda.current_device()`` (grad scalers, pipeline p2p buffers, timers) and
 calls ``torch.cuda.synchronize``/``current_stream`` and the CUDA RNG tracker's
-``fork``, and its optimizers compare ``tensor.type()`` with CUDA type names. On a
+``fork``, its MoE all-to-all dispatcher creates a CUDA stream and event and copies its split
+sizes to the host on it, and its optimizers compare ``tensor.type()`` with CUDA type names. On a
 machine without CUDA, :func:`cuda_on_cpu` rewrites those device arguments to the CPU,
-reports CPU tensor types under their CUDA names and turns the stream calls and the fork
-into no-ops for the duration of a block. With CUDA present it does
-nothing, so GPU runs use megatron-core unchanged.
+reports CPU tensor types under their CUDA names, turns the stream, event and fork calls
+into no-ops and hands the split sizes over as host arrays, for the duration of a block (the
+run's model construction, forward-backward and optimizer step all run inside one). With CUDA
+present it does nothing, so GPU runs use megatron-core unchanged.
 """
 
 from __future__ import annotations
@@ -45,26 +47,65 @@ class _CudaToCpu(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+class _NullEvent:
+    """A CUDA event on the host: everything it would wait for has already happened."""
+
+    def synchronize(self):
+        pass
+
+    def wait(self, stream=None):
+        pass
+
+    def query(self):
+        return True
+
+
 class _NullStream:
+    """A CUDA stream on the host: work runs in program order, so there is nothing to wait for."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
     def synchronize(self):
         pass
 
     def wait_stream(self, other):
         pass
 
+    def wait_event(self, event):
+        pass
+
     def record_event(self, event=None):
-        return None
+        return event if event is not None else _NullEvent()
+
+
+def _host_copy(tensor, as_numpy: bool = False, record_stream: bool = False):
+    """megatron-core's maybe_move_tensor_to_cpu (transformer/moe/moe_utils.py) for host tensors: on CUDA
+    it copies a device tensor to the host, as a numpy array with ``as_numpy``; a host tensor it returns
+    as it is. The all-to-all dispatcher hands those arrays to all_to_all_single as split sizes, which
+    gloo refuses as tensors (TypeError) and accepts as arrays: so a host tensor asked for as numpy
+    becomes one here too, as a device tensor would."""
+    if as_numpy and torch.is_tensor(tensor) and not tensor.is_cuda:
+        return tensor.numpy()
+    return tensor
 
 
 def _patches():
     """(object, attribute, CPU stand-in) of everything cuda_on_cpu swaps for the block."""
     from megatron.core.tensor_parallel import get_cuda_rng_tracker, random
+    from megatron.core.transformer.moe import token_dispatcher
 
     no_state = torch.empty(0, dtype=torch.uint8)
     return [
         (torch.cuda, "current_device", lambda: "cpu"),
         (torch.cuda, "synchronize", lambda *a, **k: None),
         (torch.cuda, "current_stream", lambda *a, **k: _NullStream()),
+        # The MoE all-to-all dispatcher copies its split sizes to the host on a side stream and waits
+        # for them through an event (token_dispatcher.py _maybe_dtoh_and_synchronize at core_v0.16.1).
+        (torch.cuda, "Stream", _NullStream),
+        (torch.cuda, "Event", _NullEvent),
+        (torch.cuda, "stream", lambda *a, **k: contextlib.nullcontext()),
+        (token_dispatcher, "maybe_move_tensor_to_cpu", _host_copy),
         # The CUDA RNG tracker (forked around dropout in sequence-parallel regions) has no CPU
         # states: there dropout draws from the CPU generator, which activation recomputation
         # saves and restores itself; the CUDA part of its saved state is empty.

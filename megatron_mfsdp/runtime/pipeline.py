@@ -4,8 +4,9 @@
 The schedules call back into the model through the TransformerConfig:
 ``no_sync_func`` (accepted; ZeRO-3 reduces per micro-batch), ``grad_scale_func``
 (fp16 loss scaling) and ``finalize_model_grads_func``, which here finishes the
-owner reduction and sums the tied embedding's gradient between the first and
-last pipeline stage, as megatron-core's DDP path does.
+owner reduction, sums the tied embedding's gradient between the first and
+last pipeline stage and updates the MoE routers' expert bias, as megatron-core's
+DDP path does.
 """
 
 from __future__ import annotations
@@ -33,8 +34,27 @@ def finalize_model_grads(model_chunks: list[MatrixFSDP], num_tokens: torch.Tenso
                 # on both (one tail parameter, the same DP size): DP rank r sums with DP rank r.
                 if unit.unit.shared_across_stages and unit.grad_segment.numel():
                     all_reduce_flat([unit.grad_segment], embedding_group)
+    _finish_routers(model_chunks)
     if num_tokens is not None:
         _divide_by_tokens(model_chunks, num_tokens)
+
+
+def _finish_routers(model_chunks: list[MatrixFSDP]) -> None:
+    """What megatron-core's finalize_model_grads does for MoE routers after the gradient reduction:
+    the aux-loss-free expert bias stepped from the global batch's token counts (all-reduced over
+    TP x DP), then the counts and the global aux loss's tracker reset. Every rank holds the bias (a
+    buffer) and updates it alike."""
+    config = model_chunks[0].config
+    if not config.num_moe_experts:
+        return
+    from megatron.core.distributed.finalize_model_grads import (
+        _update_router_expert_bias,
+        reset_model_temporary_tensors,
+    )
+
+    if config.moe_router_enable_expert_bias:
+        _update_router_expert_bias(model_chunks, config)
+    reset_model_temporary_tensors(config, model_chunks)
 
 
 def _divide_by_tokens(model_chunks: list[MatrixFSDP], num_tokens: torch.Tensor) -> None:

@@ -8,10 +8,12 @@ import torch
 VOCAB, SEQ, MBS = 96, 16, 2
 
 
-def init_megatron(tp: int = 1, pp: int = 1, vp: int | None = None) -> None:
+def init_megatron(tp: int = 1, pp: int = 1, vp: int | None = None, ep: int = 1) -> None:
+    """megatron's groups for TP x PP (x VP) x DP, with ``ep`` > 1 also the expert groups of EP x expert DP."""
     from ..groups import initialize_model_parallel
 
-    initialize_model_parallel(tp, pp, vp, create_gloo_process_groups=False)  # fewer idle polling threads
+    expert = {"expert_model_parallel_size": ep} if ep > 1 else {}
+    initialize_model_parallel(tp, pp, vp, create_gloo_process_groups=False, **expert)  # fewer idle polling threads
 
 
 def tiny_gpt_config(**overrides):

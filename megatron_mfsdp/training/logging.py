@@ -120,6 +120,9 @@ def iteration_line(
     line += f" learning rate: {lr:.6E} | global batch size: {gbs:5d} |"
     if loss is not None and loss > 0.0:
         line += f" lm loss: {loss:.6E} |"
+    for name, value in extra.get("moe", {}).items():  # Megatron-LM prints its other losses after the lm loss
+        if value > 0.0:
+            line += f" {name}: {value:.6E} |"
     line += f" loss scale: {loss_scale:.1f} |"
     if grad_norm is not None:
         line += f" grad norm: {grad_norm:.3f} |"

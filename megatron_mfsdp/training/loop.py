@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from ..compat.collectives import all_gather_single
 from ..groups import group_rank, group_size
-from . import control, launch, logging, memory, schedule, steps, threads
+from . import control, launch, logging, memory, moe, schedule, steps, threads
 
 
 def initialize_distributed(args) -> bool:
@@ -45,6 +45,8 @@ def initialize_distributed(args) -> bool:
         args.virtual_pipeline_model_parallel_size,
         order=args.parallel_order,
         create_gloo_process_groups=args.enable_gloo_process_groups,
+        expert_model_parallel_size=args.expert_model_parallel_size,
+        expert_tensor_parallel_size=args.expert_tensor_parallel_size,
     )
     from .setup import seed_cuda_rng_tracker
 
@@ -148,6 +150,7 @@ def _set_up(args):
     schedule.init_microbatches(args)
     schedule.update_train_iters(args)
     tokenizer, datasets = prepare_data(args)
+    moe.start()
     _, groups, chunks, optimizer, scheduler = build_model_and_optimizer(args, args.padded_vocab_size)
     logging.print_parameter_count(chunks, groups)
     configure_schedule(args, chunks, optimizer)
@@ -158,6 +161,11 @@ def _set_up(args):
         f"micro-batches={args.num_microbatches}, padded vocab={args.padded_vocab_size}"
         + (_mfsdp_settings(args, chunks[0]) if mode == "matrix_fsdp" else "")
     )
+    from .arguments.moe import expert_layout_line
+
+    experts = expert_layout_line(args)
+    if experts is not None:
+        logging.print_rank0(experts)
     logging.print_stage_plans(chunks, groups)
     if mode == "matrix_fsdp":
         for chunk in chunks:
@@ -236,6 +244,7 @@ class _Interval:
         self.advanced = self.skipped = self.nans = 0
         self.start = time.perf_counter()
         self.paused = 0.0
+        self.moe = {}  # MoE auxiliary losses summed over the interval (training/moe.py)
 
     def add(self, loss: float, success: bool, step_s: float) -> None:
         self.step_s += step_s
@@ -272,6 +281,7 @@ def _log(args, run, writers, timers, iteration: int, interval: _Interval, gbs: i
         step_ms=step_s * 1000,
         tokens_per_s=gbs * args.seq_length / elapsed,
         spread=logging.timing_spread(args.timing_log_option, per_rank),
+        moe=moe.averages(interval.moe, interval.advanced),
     )
     logging.print_rank_last(
         logging.iteration_line(
@@ -329,6 +339,8 @@ def _evaluate(args, run, writers, iteration: int, prefix: str, source, history=N
     gbs, num_micro = schedule.current_batch(run.consumed_train)
     control.manual_gc_eval(args)  # --no-manual-gc-eval turns these collections off (Megatron-LM's train)
     loss = steps.evaluate(args, run, source, num_micro)
+    if args.num_experts is not None:
+        moe.clear()  # evaluation's forward passes are not training's auxiliary losses (as Megatron-LM)
     control.manual_gc_eval(args, generation=0)
     if source is run.valid:
         run.consumed_valid += args.eval_iters * gbs
@@ -387,6 +399,8 @@ def _train(args, run, start_iteration: int, writers, start_time: float) -> dict:
             run.progress.add(logging.flops_per_iteration(args, gbs, args.padded_vocab_size))
             history["train"].append((iteration, loss))
             interval.add(loss, success, step_s)
+            if args.num_experts is not None:
+                moe.track(args, iteration, num_micro, interval.moe, writers)
             _record(args, run, writers, iteration, loss, gbs, grad_norm, zeros)
             if iteration % args.log_interval == 0:
                 _log(args, run, writers, timers, iteration, interval, gbs, (grad_norm, zeros), report_memory)

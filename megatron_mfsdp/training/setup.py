@@ -166,7 +166,13 @@ def build_model_chunks(args, vocab_size: int, config, groups):
         if config.use_cpu_initialization:
             # Layout-independent start: every TP x PP x DP run begins from the 1 x 1 x 1 weights.
             initialize_by_global_name(
-                model, config, args.seed, parallel_state.get_tensor_model_parallel_rank(), groups.tp_size
+                model,
+                config,
+                args.seed,
+                parallel_state.get_tensor_model_parallel_rank(),
+                groups.tp_size,
+                parallel_state.get_expert_tensor_parallel_rank(),
+                parallel_state.get_expert_tensor_parallel_world_size(),
             )
         if torch.cuda.is_available():
             model.cuda(torch.cuda.current_device())

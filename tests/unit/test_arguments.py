@@ -64,6 +64,8 @@ MEGATRON_LM_0161 = {
     "--exit-interval": ("exit_interval", None),
     "--exit-on-missing-checkpoint": ("exit_on_missing_checkpoint", False),
     "--exit-signal-handler": ("exit_signal_handler", False),
+    "--expert-model-parallel-size": ("expert_model_parallel_size", 1),
+    "--expert-tensor-parallel-size": ("expert_tensor_parallel_size", None),
     "--ffn-hidden-size": ("ffn_hidden_size", None),
     "--finetune": ("finetune", False),
     "--first-last-layers-bf16": ("first_last_layers_bf16", False),
@@ -118,6 +120,34 @@ MEGATRON_LM_0161 = {
     "--min-loss-scale": ("min_loss_scale", 1.0),
     "--min-lr": ("min_lr", 0.0),
     "--mock-data": ("mock_data", False),
+    "--moe-apply-probs-on-input": ("moe_apply_probs_on_input", False),
+    "--moe-aux-loss-coeff": ("moe_aux_loss_coeff", 0.0),
+    "--moe-expert-capacity-factor": ("moe_expert_capacity_factor", None),
+    "--moe-ffn-hidden-size": ("moe_ffn_hidden_size", None),
+    "--moe-grouped-gemm": ("moe_grouped_gemm", False),
+    "--moe-input-jitter-eps": ("moe_input_jitter_eps", None),
+    "--moe-layer-freq": ("moe_layer_freq", 1),
+    "--moe-pad-expert-input-to-capacity": ("moe_pad_expert_input_to_capacity", False),
+    "--moe-per-layer-logging": ("moe_per_layer_logging", False),
+    "--moe-permute-fusion": ("moe_permute_fusion", False),
+    "--moe-router-bias-update-rate": ("moe_router_bias_update_rate", 0.001),
+    "--moe-router-dtype": ("moe_router_dtype", None),
+    "--moe-router-enable-expert-bias": ("moe_router_enable_expert_bias", False),
+    "--moe-router-force-load-balancing": ("moe_router_force_load_balancing", False),
+    "--moe-router-fusion": ("moe_router_fusion", False),
+    "--moe-router-group-topk": ("moe_router_group_topk", None),
+    "--moe-router-load-balancing-type": ("moe_router_load_balancing_type", "aux_loss"),
+    "--moe-router-num-groups": ("moe_router_num_groups", None),
+    "--moe-router-pre-softmax": ("moe_router_pre_softmax", False),
+    "--moe-router-score-function": ("moe_router_score_function", "softmax"),
+    "--moe-router-topk": ("moe_router_topk", 2),
+    "--moe-router-topk-scaling-factor": ("moe_router_topk_scaling_factor", None),
+    "--moe-shared-expert-gate": ("moe_shared_expert_gate", False),
+    "--moe-shared-expert-intermediate-size": ("moe_shared_expert_intermediate_size", None),
+    "--moe-shared-expert-overlap": ("moe_shared_expert_overlap", False),
+    "--moe-token-dispatcher-type": ("moe_token_dispatcher_type", "allgather"),
+    "--moe-token-drop-policy": ("moe_token_drop_policy", "probs"),
+    "--moe-z-loss-coeff": ("moe_z_loss_coeff", None),
     "--muon-extra-scale-factor": ("muon_extra_scale_factor", 1.0),
     "--muon-fp32-matmul-prec": ("muon_fp32_matmul_prec", "medium"),
     "--muon-momentum": ("muon_momentum", 0.9),
@@ -151,6 +181,7 @@ MEGATRON_LM_0161 = {
     "--num-attention-heads": ("num_attention_heads", None),
     "--num-dataset-builder-threads": ("num_dataset_builder_threads", 1),
     "--num-distributed-optimizer-instances": ("num_distributed_optimizer_instances", 1),
+    "--num-experts": ("num_experts", None),
     "--num-layers": ("num_layers", None),
     "--num-layers-at-end-in-bf16": ("num_layers_at_end_in_bf16", 1),
     "--num-layers-at-start-in-bf16": ("num_layers_at_start_in_bf16", 1),
@@ -285,7 +316,7 @@ def _error(argv, capsys, world_size=2) -> str:
 
 def test_every_shared_flag_has_megatron_lms_dest_and_default():
     actions = build_parser()._option_string_actions
-    assert len(MEGATRON_LM_0161) == 222
+    assert len(MEGATRON_LM_0161) == 253
     wrong = []
     for flag, (dest, default) in MEGATRON_LM_0161.items():
         action = actions.get(flag)
@@ -442,14 +473,9 @@ def test_bad_values_exit_2_naming_the_flag(flags, message, capsys):
 @pytest.mark.parametrize(
     "flags,message",
     [
-        (["--num-experts", "8"], "--num-experts: mixture of experts is not supported by megatron-mfsdp yet"),
-        (["--moe-router-topk", "2"], "--moe-router-topk: mixture of experts is not supported by megatron-mfsdp yet"),
+        (["--moe-use-upcycling"], "--moe-use-upcycling: MoE upcycling (a dense checkpoint turned into experts) is"),
+        (["--num-experts", "4", "--moe-enable-deepep"], "--moe-enable-deepep: the flex token dispatcher (DeepEP,"),
         (["--context-parallel-size", "2"], "--context-parallel-size: context parallelism is not supported"),
-        (["--expert-model-parallel-size", "4"], "--expert-model-parallel-size: expert parallelism is not supported"),
-        (
-            ["--num-experts", "4", "--expert-tensor-parallel-size", "2"],
-            "--num-experts: mixture of experts is not supported",
-        ),
         (["--multi-latent-attention"], "--multi-latent-attention: multi-latent attention is not supported"),
         (["--use-megatron-fsdp"], "--use-megatron-fsdp: Megatron-FSDP and torch FSDP2 (use --use-matrix-fsdp"),
         (["--fim-data"], "--fim-data: FIM datasets is not supported by megatron-mfsdp yet"),
@@ -531,7 +557,8 @@ def test_help_prints_the_groups_and_the_notices(capsys):
         assert f"\n{title}" in text, title
     flat = " ".join(text.split())
     assert "--ckpt-fully-parallel-load accepted, with a start-up notice: each rank reads" in flat
-    assert "--num-experts" not in flat  # refused flags are hidden; the epilog says so
+    assert "--num-experts NUM_EXPERTS experts per MoE layer" in flat
+    assert "--moe-use-upcycling" not in flat  # refused flags are hidden; the epilog says so
     assert "Every other flag of Megatron-LM's parser is refused before any work" in flat
 
 

@@ -38,7 +38,7 @@ SOURCE = "tests/functional_tests/test_cases/gpt/*/model_config.yaml MODEL_ARGS"
 
 # What megatron-mfsdp does not have, as its refusals name it: every refused config's error must name one.
 LACKING = {
-    "mixture of experts": ("mixture of experts", "expert parallelism"),
+    "MoE features beyond megatron-core's MoE layer": ("MoE", "flex dispatcher"),
     "context parallelism": ("context parallelism",),
     "multi-latent attention": ("multi-latent attention",),
     "multi-token prediction": ("multi-token prediction",),

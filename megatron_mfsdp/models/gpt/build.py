@@ -15,8 +15,9 @@ import math
 import torch
 import torch.nn.functional as F
 from megatron.core.models.gpt import GPTModel
-from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
 from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import divide
@@ -117,25 +118,60 @@ class TorchNorm(torch.nn.Module):
         return F.layer_norm(x, self.shape, weight, self.bias, self.eps)
 
 
+def _local_spec(spec):
+    """megatron-core's local layer spec made to run on a CPU: SDPA core attention and, without Apex,
+    torch norms (in place; returns it)."""
+    attention = spec.submodules.self_attention.submodules
+    attention.core_attention = SDPAttention
+    if not HAVE_APEX_NORM:
+        spec.submodules.input_layernorm = TorchNorm
+        spec.submodules.pre_mlp_layernorm = TorchNorm
+        if attention.q_layernorm is not IdentityOp:
+            attention.q_layernorm = attention.k_layernorm = TorchNorm
+    return spec
+
+
+def _check_experts(config: TransformerConfig, use_transformer_engine: bool) -> None:
+    """The expert implementations a matrix optimizer can treat one expert at a time: SequentialMLP (one
+    local linear pair per expert) and, with Transformer Engine, TEGroupedMLP (one ``weight{i}`` per
+    expert). megatron-core's legacy GroupedMLP holds all local experts in one 2D ``weight1``."""
+    legacy = config.moe_use_legacy_grouped_gemm or (config.moe_grouped_gemm and not use_transformer_engine)
+    if legacy:
+        raise ValueError(
+            "megatron-core's legacy GroupedMLP (--moe-grouped-gemm without Transformer Engine, or "
+            "--moe-use-legacy-grouped-gemm) is not supported: its weight1 concatenates the local experts in one "
+            "2D tensor, so a matrix optimizer cannot treat each expert as its own matrix"
+        )
+
+
 def gpt_layer_spec(config: TransformerConfig, use_transformer_engine: bool | None = None, vp_stage: int | None = None):
     """megatron-core's GPT spec: the TE layer spec on a GPU when available; else the local spec
     with SDPA core attention and, without Apex, torch norms that support sequence parallelism and
-    zero-centered gamma (as a block spec, since the final norm comes from the block)."""
+    zero-centered gamma (as a block spec, since the final norm comes from the block). With
+    ``num_moe_experts``, megatron-core's decoder block spec (Megatron-LM's pretrain_gpt.py uses it
+    for MoE): MoE layers where ``moe_layer_freq`` says, dense ones elsewhere, this stage's slice;
+    SequentialMLP experts on the local spec, TEGroupedMLP with --moe-grouped-gemm on TE."""
     if use_transformer_engine is None:
         use_transformer_engine = HAVE_TE
+    if config.num_moe_experts:
+        _check_experts(config, use_transformer_engine)
+        block = get_gpt_decoder_block_spec(
+            config, use_transformer_engine, normalization=config.normalization, vp_stage=vp_stage
+        )
+        if use_transformer_engine:
+            return block
+        for spec in {id(s): s for s in block.layer_specs}.values():
+            _local_spec(spec)
+        if not HAVE_APEX_NORM:
+            block.layer_norm = TorchNorm
+        return block
     if use_transformer_engine:
         return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm)
-    spec = get_gpt_layer_local_spec(normalization=config.normalization, qk_layernorm=config.qk_layernorm)
-    attention = spec.submodules.self_attention.submodules
-    attention.core_attention = SDPAttention
+    spec = _local_spec(get_gpt_layer_local_spec(normalization=config.normalization, qk_layernorm=config.qk_layernorm))
     if HAVE_APEX_NORM:
         return spec
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
-    spec.submodules.input_layernorm = TorchNorm
-    spec.submodules.pre_mlp_layernorm = TorchNorm
-    if config.qk_layernorm:
-        attention.q_layernorm = attention.k_layernorm = TorchNorm
     layers = get_num_layers_to_build(config, vp_stage=vp_stage)
     return TransformerBlockSubmodules(layer_specs=[spec] * layers, layer_norm=TorchNorm)
 
@@ -155,8 +191,13 @@ def build_gpt_model(
 ) -> GPTModel:
     """A megatron-core GPTModel for the given config (parallel_state must be initialized).
     ``gpt_kwargs`` go to GPTModel as they are (rotary_base, rotary_percent, rope_scaling, ...).
-    Built under compat/cpu.py: with PP > 1 megatron-core moves the tied output weight to CUDA."""
+    Built under compat/cpu.py: with PP > 1 megatron-core moves the tied output weight to CUDA, and
+    its MoE router and all-to-all dispatcher ask for CUDA devices and streams."""
+    from ...compat import moe
     from ...compat.cpu import cuda_on_cpu
+
+    if config.num_moe_experts:
+        moe.define_te_general_gemm()
 
     with cuda_on_cpu():
         model = GPTModel(
@@ -171,6 +212,8 @@ def build_gpt_model(
             vp_stage=vp_stage,
             **gpt_kwargs,
         )
+    if config.num_moe_experts:
+        moe.skip_single_rank_expert_reduce(model)
     # Megatron-LM's Float16Module casts the whole model (norms included) to the
     # training dtype; MatrixFSDP keeps one dtype per chunk, so do the same here.
     if config.fp16:
@@ -182,12 +225,20 @@ def build_gpt_model(
 
 @torch.no_grad()
 def initialize_by_global_name(
-    model: GPTModel, config: TransformerConfig, seed: int, tp_rank: int = 0, tp_size: int = 1
+    model: GPTModel,
+    config: TransformerConfig,
+    seed: int,
+    tp_rank: int = 0,
+    tp_size: int = 1,
+    expert_tp_rank: int | None = None,
+    expert_tp_size: int | None = None,
 ) -> None:
     """Re-initialize every parameter from a generator seeded by (seed, its global name),
     as megatron-core's CPU initialization would shape it: the full tensor is drawn, then
-    this tensor-parallel rank's chunk is kept. So any TP x PP x DP layout starts from
-    exactly the weights of the 1 x 1 x 1 model."""
+    this tensor-parallel rank's chunk is kept (an expert's over the expert tensor-parallel
+    group, default the TP one). So any TP x PP x DP x EP layout starts from exactly the
+    weights of the 1 x 1 x 1 model."""
+    import re
     import zlib
 
     from .naming import global_parameter_names
@@ -197,22 +248,25 @@ def initialize_by_global_name(
     names = global_parameter_names(model)
     for name, param in model.named_parameters():
         global_name = names[name]
-        split = getattr(param, "tensor_model_parallel", False) and tp_size > 1
+        expert = ".mlp.experts." in global_name
+        rank, size = (expert_tp_rank, expert_tp_size) if expert and expert_tp_size is not None else (tp_rank, tp_size)
+        split = getattr(param, "tensor_model_parallel", False) and size > 1
         dim = getattr(param, "partition_dim", 0)
         stride = getattr(param, "partition_stride", 1)
         full_shape = list(param.shape)
         if split:
-            full_shape[dim] *= tp_size
+            full_shape[dim] *= size
         generator = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(global_name.encode())) % 2**62)
-        leaf = global_name.rsplit(".", 1)[-1]
+        kind = re.sub(r"\.(weight|bias)\d+$", r".\1", global_name)  # TEGroupedMLP's weight{i}, bias{i}
+        leaf = kind.rsplit(".", 1)[-1]
         if leaf in ("bias", "layer_norm_bias"):
             full = torch.zeros(full_shape)
-        elif "norm" in global_name:
+        elif "norm" in kind:
             full = torch.zeros(full_shape) if config.layernorm_zero_centered_gamma else torch.ones(full_shape)
         else:
-            scaled = global_name.endswith(("linear_proj.weight", "linear_fc2.weight"))
+            scaled = kind.endswith(("linear_proj.weight", "linear_fc2.weight"))
             full = torch.empty(full_shape).normal_(0.0, out_std if scaled else std, generator=generator)
         if split:
-            chunks = torch.split(full, full_shape[dim] // (tp_size * stride), dim=dim)
-            full = torch.cat(chunks[tp_rank::tp_size], dim=dim)
+            chunks = torch.split(full, full_shape[dim] // (size * stride), dim=dim)
+            full = torch.cat(chunks[rank::size], dim=dim)
         param.copy_(full.to(param.dtype))

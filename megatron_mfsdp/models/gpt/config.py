@@ -5,7 +5,8 @@ pretrain_gpt.py namespace (``vars(args)``); the namespace itself stays in traini
 
 Like Megatron-LM's core_transformer_config_from_args (megatron/training/arguments.py at
 core_v0.16.1), every dest named as a TransformerConfig field is copied, then the few that
-Megatron-LM derives are set. One departure: --openai-gelu selects the tanh GELU for the
+Megatron-LM derives are set (``num_experts`` is megatron-core's ``num_moe_experts``). One
+departure: --openai-gelu selects the tanh GELU for the
 megatron-core model (Megatron-LM 0.16.1 applies it to its legacy models only), which GPT-2
 checkpoints need.
 """
@@ -52,6 +53,7 @@ def transformer_config(dests: Mapping):
         params_dtype=dtype,
         pipeline_dtype=dtype,
         num_query_groups=dests["num_query_groups"] if dests.get("group_query_attention", False) else None,
+        num_moe_experts=dests.get("num_experts") or None,
         batch_p2p_comm=not dests.get("overlap_p2p_comm", True),
         num_layers_in_first_pipeline_stage=dests.get("decoder_first_pipeline_num_layers", None),
         num_layers_in_last_pipeline_stage=dests.get("decoder_last_pipeline_num_layers", None),

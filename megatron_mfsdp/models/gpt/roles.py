@@ -2,7 +2,12 @@
 
 The names are megatron-core's (local and Transformer Engine layer specs). Embeddings, the output
 layer, biases and norms are elementwise parameters; the four hidden matrices of every layer are
-matrices. Which rule runs on each role is --optimizer's (the optimizer's registry), not the
+matrices. In a mixture-of-experts layer each expert's ``linear_fc1``/``linear_fc2`` (SequentialMLP's
+``mlp.experts.local_experts.{i}.linear_fc*.weight``, TEGroupedMLP's ``mlp.experts.linear_fc*.weight{i}``)
+is a matrix of its own, as are the shared experts' and the router's weight; the shared-expert gate
+(one row) and every bias are elementwise. The router's aux-loss-free ``expert_bias`` is a buffer, not
+a parameter: every rank updates it alike from the all-reduced token counts.
+Which rule runs on each role is --optimizer's (the optimizer's registry), not the
 model's: with --optimizer muon, Muon on the matrices and AdamW (or --muon-scalar-optimizer lion)
 on the rest; with --optimizer adam, AdamW on all.
 """
@@ -18,8 +23,18 @@ _TAIL_PATTERNS = (
     "*layer_norm_weight",  # TE: norm fused into the linear layer
     "*layer_norm_bias",
     "*norm*.weight",  # input/pre_mlp/final layernorm, q/k layernorm, RMSNorm
+    "*.bias[0-9]*",  # TEGroupedMLP: one bias{i} per local expert
+    "*shared_experts.gate_weight",  # --moe-shared-expert-gate: a [1, hidden] gate
 )
-MATRIX_PATTERNS = ("*linear_qkv.weight", "*linear_proj.weight", "*linear_fc1.weight", "*linear_fc2.weight")
+MATRIX_PATTERNS = (
+    "*linear_qkv.weight",
+    "*linear_proj.weight",
+    "*linear_fc1.weight",
+    "*linear_fc2.weight",
+    "*linear_fc1.weight[0-9]*",  # TEGroupedMLP: one weight{i} per local expert
+    "*linear_fc2.weight[0-9]*",
+    "*mlp.router.weight",
+)
 
 
 def gpt_param_roles() -> list[tuple[str, str]]:

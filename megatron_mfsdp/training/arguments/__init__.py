@@ -24,7 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
         "ZeRO-3 with communication-free Muon) and --mfsdp-*. Without data flags it trains on a corpus built "
         "from this machine's Python sources (scripts/quickstart.sh shows a complete command).",
         epilog="Every other flag of Megatron-LM's parser is refused before any work, naming the feature "
-        "megatron-mfsdp lacks (mixture of experts, context parallelism, ...); an unknown flag gets the closest "
+        "megatron-mfsdp lacks (context parallelism, multi-latent attention, ...); an unknown flag gets the closest "
         "known names.",
     )
     model_flags.add_network_size_args(p)
@@ -32,6 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     model_flags.add_fusion_args(p)
     model_flags.add_mixed_precision_args(p)
     model_flags.add_regularization_args(p)
+    model_flags.add_moe_args(p)
     run_flags.add_training_args(p, registry.optimizer_choices())
     run_flags.add_learning_rate_args(p)
     run_flags.add_checkpointing_args(p)
@@ -73,7 +74,7 @@ def parse_args(argv: list[str] | None = None, world_size: int | None = None) -> 
     import os
     import sys
 
-    from . import validate
+    from . import moe, validate
 
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = full_parser()
@@ -92,6 +93,7 @@ def parse_args(argv: list[str] | None = None, world_size: int | None = None) -> 
             validate.validate_precision,
             validate.validate_schedule,
             validate.validate_device,
+            moe.validate_moe,
             validate.validate_optimizer,
             validate.validate_data,
             validate.validate_io,

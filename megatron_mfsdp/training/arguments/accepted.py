@@ -287,8 +287,6 @@ def check_accepted(args, argv_flags) -> list:
         if value is None:
             continue  # implemented by pretrain_gpt.py's own parser
         if refused.harmless(flag, value, args):
-            if flag == "--expert-tensor-parallel-size":
-                notices.append(f"{flag}: no experts (--num-experts not given), so no expert groups: ignored")
             continue
         why = refusal(flag) or "a Megatron-LM flag that megatron-mfsdp does not support yet"
         raise ValueError(f"{flag}: {why}")

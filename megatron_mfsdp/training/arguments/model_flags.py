@@ -1,6 +1,6 @@
 """Megatron-LM's model flags: names, dests and defaults as in megatron/training/arguments.py at
 core_v0.16.1 (network size, transformer configuration, initialization, mixed precision and
-FP8). tests/unit/test_arguments.py holds Megatron-LM's defaults and compares."""
+FP8, mixture of experts). tests/unit/test_arguments.py holds Megatron-LM's defaults and compares."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from .types import (
     attention_backend,
     finite_float,
     fraction,
+    layer_pattern,
     nonnegative_float,
     nonnegative_int,
     positive_float,
@@ -201,3 +202,192 @@ def add_regularization_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--adam-beta2", type=probability, default=0.999)
     g.add_argument("--adam-eps", type=positive_float, default=1e-8)
     g.add_argument("--sgd-momentum", type=probability, default=0.9)
+
+
+LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none")
+
+
+def add_moe_args(p: argparse.ArgumentParser) -> None:
+    """Mixture of experts: megatron-core's MoE layer (router, token dispatcher, experts). Megatron-LM's
+    _add_moe_args at core_v0.16.1 for --num-experts, --moe-layer-freq and the load balancing; the rest are
+    TransformerConfig fields that its parser builds from the dataclass (names, dests and defaults as
+    there). megatron-core reads each from the TransformerConfig (models/gpt/config.py)."""
+    g = p.add_argument_group("moe")
+    g.add_argument("--num-experts", type=nonnegative_int, default=None, help="experts per MoE layer (0 or none: dense)")
+    g.add_argument(
+        "--moe-layer-freq",
+        type=layer_pattern,
+        default=1,
+        help="an integer N: one MoE layer every N layers (the first is one); or a pattern such as "
+        '"([0]+[1]*3)" (1 MoE, 0 dense), one entry per layer',
+    )
+    g.add_argument(
+        "--moe-ffn-hidden-size",
+        type=positive_int,
+        default=None,
+        help="each expert's FFN size; default --ffn-hidden-size",
+    )
+    g.add_argument(
+        "--moe-shared-expert-intermediate-size",
+        type=positive_int,
+        default=None,
+        help="FFN size of the shared experts (all of them together); none: no shared expert",
+    )
+    g.add_argument("--moe-shared-expert-gate", action="store_true", help="a sigmoid gate on the shared experts' output")
+    g.add_argument(
+        "--moe-shared-expert-overlap",
+        action="store_true",
+        help="with the alltoall dispatcher on CUDA: run the shared experts beside the dispatch",
+    )
+    _add_moe_router_args(g)
+    _add_moe_dispatch_args(g)
+    _add_moe_kernel_and_parallel_args(g)
+
+
+def _add_moe_router_args(g) -> None:
+    """The router: scores, top-k, group-limited routing, load balancing and the expert bias."""
+    g.add_argument(
+        "--moe-router-load-balancing-type",
+        nargs="+",
+        choices=LOAD_BALANCING_TYPES,
+        default="aux_loss",
+        help="aux_loss (GShard/Switch, per micro-batch), seq_aux_loss (per sequence, DeepSeek), "
+        "global_aux_loss (per global batch), sinkhorn or none; several combine",
+    )
+    g.add_argument(
+        "--moe-aux-loss-coeff",
+        type=nonnegative_float,
+        nargs="+",
+        default=0.0,
+        help="coefficient of each load-balancing loss (1e-2 is a start)",
+    )
+    g.add_argument(
+        "--moe-z-loss-coeff",
+        type=nonnegative_float,
+        default=None,
+        help="coefficient of the router z-loss (1e-3 is a start)",
+    )
+    g.add_argument("--moe-router-topk", type=positive_int, default=2, help="experts each token is routed to")
+    g.add_argument(
+        "--moe-router-score-function",
+        default="softmax",
+        choices=["softmax", "sigmoid"],
+        help="the routing scores: softmax or sigmoid (DeepSeek-V3's, needed by the expert bias)",
+    )
+    g.add_argument(
+        "--moe-router-pre-softmax",
+        action="store_true",
+        help="scores (softmax or sigmoid) before the top-k selection (needed for top-1 softmax)",
+    )
+    g.add_argument(
+        "--moe-router-topk-scaling-factor",
+        type=positive_float,
+        default=None,
+        help="scale of the top-k routing scores (with --moe-router-pre-softmax)",
+    )
+    _add_moe_group_and_bias_args(g)
+
+
+def _add_moe_group_and_bias_args(g) -> None:
+    """Group-limited routing, the aux-loss-free expert bias and the router's precision."""
+    g.add_argument(
+        "--moe-router-num-groups",
+        type=positive_int,
+        default=None,
+        help="group-limited routing: the experts form this many groups (e.g. the EP size)",
+    )
+    g.add_argument(
+        "--moe-router-group-topk",
+        type=positive_int,
+        default=None,
+        help="group-limited routing: the groups each token may use",
+    )
+    g.add_argument(
+        "--moe-router-enable-expert-bias",
+        action="store_true",
+        help="aux-loss-free balancing: a per-expert bias on the routing scores, updated from the global "
+        "batch's token counts (needs --moe-router-score-function sigmoid)",
+    )
+    g.add_argument(
+        "--moe-router-bias-update-rate",
+        type=nonnegative_float,
+        default=1e-3,
+        help="the expert bias's step per global batch",
+    )
+    g.add_argument(
+        "--moe-router-dtype",
+        default=None,
+        choices=["fp32", "fp64"],
+        help="dtype of the routing and of the weighted sum of the experts' outputs",
+    )
+    g.add_argument(
+        "--moe-router-force-load-balancing",
+        action="store_true",
+        help="benchmarks only: random router logits, so the experts are loaded evenly",
+    )
+
+
+def _add_moe_dispatch_args(g) -> None:
+    """The token dispatcher, capacity and token dropping, and MoE logging."""
+    g.add_argument(
+        "--moe-input-jitter-eps",
+        type=nonnegative_float,
+        default=None,
+        help="multiply the router input by uniform noise in [1 - eps, 1 + eps] while training",
+    )
+    g.add_argument(
+        "--moe-token-dispatcher-type",
+        default="allgather",
+        choices=["allgather", "alltoall", "flex"],
+        help="allgather or alltoall (flex, DeepEP's, is refused)",
+    )
+    g.add_argument(
+        "--moe-expert-capacity-factor",
+        type=finite_float,
+        default=None,
+        help="each expert takes at most this factor x its even share of the tokens; none: no token is dropped",
+    )
+    g.add_argument(
+        "--moe-pad-expert-input-to-capacity",
+        action="store_true",
+        help="with a capacity factor: pad each expert's input to its capacity",
+    )
+    g.add_argument(
+        "--moe-token-drop-policy",
+        default="probs",
+        choices=["probs", "position"],
+        help="over capacity, drop the lowest-probability tokens (probs) or the last ones (position)",
+    )
+    g.add_argument(
+        "--moe-apply-probs-on-input",
+        action="store_true",
+        help="weight the expert's input by its routing probability instead of its output (top-1)",
+    )
+    g.add_argument(
+        "--moe-per-layer-logging",
+        action="store_true",
+        help="also write each MoE layer's auxiliary losses to TensorBoard/W&B",
+    )
+
+
+def _add_moe_kernel_and_parallel_args(g) -> None:
+    """CUDA kernels (grouped GEMM, fusions) and expert parallelism."""
+    g.add_argument(
+        "--moe-grouped-gemm",
+        action="store_true",
+        help="TEGroupedMLP (Transformer Engine on CUDA); elsewhere SequentialMLP runs, with a notice",
+    )
+    g.add_argument("--moe-permute-fusion", action="store_true", help="Transformer Engine's fused token permutation")
+    g.add_argument("--moe-router-fusion", action="store_true", help="Transformer Engine's fused top-k and aux loss")
+    g.add_argument(
+        "--expert-model-parallel-size",
+        type=positive_int,
+        default=1,
+        help="expert parallelism: each rank holds --num-experts / this many experts",
+    )
+    g.add_argument(
+        "--expert-tensor-parallel-size",
+        type=positive_int,
+        default=None,
+        help="tensor parallelism inside each expert; default --tensor-model-parallel-size",
+    )

@@ -14,22 +14,44 @@ implemented, noticed (accepted.py) or refused here.
 from __future__ import annotations
 
 FEATURES = {
-    "mixture of experts": (
-        "--num-experts",
-        "--moe-*",
+    "MoE upcycling (a dense checkpoint turned into experts)": ("--moe-use-upcycling", "--moe-upcycling-granularity"),
+    "the flex token dispatcher (DeepEP, HybridEP and NCCL EP kernels, CUDA only; allgather and alltoall run)": (
+        "--moe-enable-deepep",
+        "--moe-flex-dispatcher-*",
+        "--moe-deepep-num-sms",
+        "--moe-hybridep-*",
+        "--moe-permute-fusion-into-hybridep",
+        "--moe-ncclep-zero-copy",
+    ),
+    "overlapping the MoE expert-parallel all-to-all with computation": (
         "--overlap-moe-expert-parallel-comm",
         "--ep-overlap-early-attn-memory-release",
         "--overlap-dispatch-backward-with-experts-wgrad",
         "--high-priority-a2a-comm-stream",
+    ),
+    "low-precision MoE dispatch and combine": ("--moe-dispatch-fwd-dtype", "--moe-combine-bwd-dtype"),
+    "MoE routing replay and routing traces": ("--moe-enable-routing-replay", "--moe-routing-trace-*"),
+    "MoE latent projections": ("--moe-latent-size",),
+    "paged stashing of MoE activations": ("--moe-paged-stash*",),
+    "router padding for quantized (FP8/FP4) grouped GEMMs": (
+        "--moe-router-padding-for-fp8",
+        "--moe-router-padding-for-quantization",
+    ),
+    "grouped expert weight layouts other than one weight per expert (single grouped weights, grouped tensors, "
+    "interleaved GLU halves, grouped GEMM for shared experts)": (
+        "--moe-single-grouped-weight",
+        "--moe-single-grouped-bias",
+        "--moe-use-grouped-tensor",
+        "--moe-mlp-glu-interleave-size",
+        "--moe-shared-expert-glu-interleave-size",
         "--use-grouped-gemm-for-shared-expert",
-        "--inference-moe-*",
     ),
-    "expert parallelism": (
-        "--expert-model-parallel-size",
-        "--expert-tensor-parallel-size",
-        "--expert-tensor-parallel-num-weight-shards",
-        "--rl-inference-expert-*",
+    "router options newer than megatron-core 0.16.1 (forced bias, quantile balancing, per-rank capacity)": (
+        "--moe-router-force-biased",
+        "--moe-router-quantile-balancing-ema",
+        "--moe-expert-rank-capacity-factor",
     ),
+    "recomputing MoE layers (--moe-layer-recompute)": ("--moe-layer-recompute",),
     "context parallelism": (
         "--context-parallel-size",
         "--cp-comm-type",
@@ -94,6 +116,7 @@ FEATURES = {
         "--inference-disable-triton-nvls-kernels",
         "--inference-fuse-tp-communication",
         "--inference-grouped-gemm-backend",
+        "--inference-moe-*",
         "--mlp-chunks-for-prefill",
         "--nccl-all-reduce-for-prefill",
     ),
@@ -104,6 +127,7 @@ FEATURES = {
         "--delay-offload-until-cuda-graph",
         "--optimizer-cuda-graph",
         "--inference-cuda-graph-scope",
+        "--moe-pad-experts-for-cuda-graph-inference",
     ),
     "activation offloading to the host": (
         "--activation-offload-fraction",
@@ -132,6 +156,7 @@ FEATURES = {
     "generalized tensor parallelism (GTP weight rematerialization)": (
         "--gtp-*",
         "--tensor-parallel-num-weight-shards",
+        "--expert-tensor-parallel-num-weight-shards",
     ),
     "batch-invariant kernels": ("--batch-invariant-mode", "--batch-invariant-backend"),
     "sliding-window attention": ("--window-size", "--window-attn-skip-freq"),
@@ -185,7 +210,6 @@ GROUPS = {
     "autoresume": "ADLR autoresume",
     "workload inspector": "the workload inspector server",
     "mla": "multi-latent attention",
-    "moe": "mixture of experts",
     "experimental_attention_variant": "experimental attention variants",
     "modelopt-generic": "ModelOpt quantization, export and distillation",
     "kitchen": "NVIDIA Kitchen quantization",
@@ -239,6 +263,10 @@ REASONS = {
     "--rope-type": "--rope-type yarn (YaRN) is not supported; rope is what runs",
     "--softmax-type": "attention sinks (softmax types other than vanilla) are not supported",
     "--use-legacy-static-engine": "Megatron-LM's inference engine is not part of megatron-mfsdp",
+    "--moe-use-legacy-grouped-gemm": "megatron-core's legacy GroupedMLP is not supported: its weight1 concatenates "
+    "the local experts in one 2D tensor, so a matrix optimizer cannot treat each expert as its own matrix "
+    "(SequentialMLP runs, or TEGroupedMLP with --moe-grouped-gemm on Transformer Engine)",
+    "--moe-extended-tp": "--moe-extended-tp is gone from Megatron-LM: use --expert-tensor-parallel-size",
 }
 
 # Flags that Megatron-LM's inference scripts add to its parser (megatron/inference/utils.py add_inference_args,
@@ -285,13 +313,9 @@ INFERENCE_SCRIPT_FLAGS = (
     "--async-mode",
 )
 
-# Values at which a refused flag changes nothing (Megatron-LM's defaults). The expert tensor-parallel
-# size only shapes the expert groups, so without --num-experts any value is harmless (Megatron-LM's
-# dense functional-test configs set it).
+# Values at which a refused flag changes nothing (Megatron-LM's defaults).
 HARMLESS = {
     "--context-parallel-size": ["1"],
-    "--expert-model-parallel-size": ["1"],
-    "--num-experts": ["0"],
     "--rope-type": ["rope"],
     "--softmax-type": ["vanilla"],
     "--cuda-graph-impl": ["none"],
@@ -304,8 +328,6 @@ HARMLESS = {
 
 def harmless(flag: str, value, args) -> bool:
     """Whether ``value`` (the accepted flag's words) of a refused flag changes nothing."""
-    if flag == "--expert-tensor-parallel-size":
-        return getattr(args, "accepted_num_experts", None) in (None, ["0"])
     return flag in HARMLESS and value == HARMLESS[flag]
 
 

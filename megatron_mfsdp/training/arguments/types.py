@@ -85,3 +85,36 @@ def signal_name(text: str) -> str:
         return signal.Signals(int(text)).name if text.isdigit() else signal.Signals[text].name
     except (KeyError, ValueError):
         raise argparse.ArgumentTypeError(f"not a signal: {text!r} (e.g. SIGTERM, SIGUSR1 or a number)") from None
+
+
+def layer_pattern(text: str) -> int | list[int]:
+    """--moe-layer-freq: an integer N (one MoE layer every N layers), or a list expression of 0s and 1s
+    such as ``([0]+[1]*23)`` or ``([1]*3+[0]*2)*2`` (Megatron-LM's moe_freq_type evaluates these with
+    ``eval`` after a character check; here a parse of list literals, ``+`` and ``*`` only)."""
+    import ast
+
+    def value(node):
+        if isinstance(node, ast.Constant) and type(node.value) is int:
+            return node.value
+        if isinstance(node, ast.List):
+            return [value(item) for item in node.elts]
+        if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mult)):
+            left, right = value(node.left), value(node.right)
+            return left + right if isinstance(node.op, ast.Add) else left * right
+        raise ValueError(node)
+
+    text = text.strip()
+    try:
+        if "[" not in text:
+            number = int(text)
+            if number <= 0:
+                raise ValueError(number)
+            return number
+        pattern = value(ast.parse(text, mode="eval").body)
+        if not isinstance(pattern, list) or not pattern or any(v not in (0, 1) for v in pattern):
+            raise ValueError(pattern)
+        return pattern
+    except (ValueError, TypeError, SyntaxError, RecursionError):
+        raise argparse.ArgumentTypeError(
+            f"expected a positive integer or a list expression of 0s and 1s such as ([0]+[1]*3), got {text!r}"
+        ) from None

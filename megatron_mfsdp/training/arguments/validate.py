@@ -152,9 +152,9 @@ def _validate_model_kinds(args) -> None:
 # dense GPT layer has; Megatron-LM HEAD's others belong to features refused here.
 RECOMPUTE_MODULES = ("core_attn", "layernorm", "mlp")
 RECOMPUTE_MODULES_OF = {
-    "moe_act": "mixture of experts",
-    "moe": "mixture of experts",
-    "shared_experts": "mixture of experts",
+    "moe_act": "MoE layers (the experts' activation)",
+    "moe": "MoE layers (the whole layer)",
+    "shared_experts": "MoE layers (the shared experts)",
     "mla_up_proj": "multi-latent attention",
     "gdn_norm_out": "gated delta net layers",
     "gdp_in_proj": "Gated DeltaProduct layers",
@@ -170,8 +170,8 @@ def _validate_recompute_modules(args) -> None:
     for module in modules:
         if module in RECOMPUTE_MODULES_OF:
             _fail(
-                f"--recompute-modules {module}: recomputes a part of {RECOMPUTE_MODULES_OF[module]}, which "
-                "megatron-mfsdp does not support yet"
+                f"--recompute-modules {module}: recomputing a part of {RECOMPUTE_MODULES_OF[module]} is not "
+                "supported by megatron-mfsdp yet"
             )
         if module not in RECOMPUTE_MODULES:
             _fail(f"--recompute-modules {module}: choose from {', '.join(RECOMPUTE_MODULES)}")

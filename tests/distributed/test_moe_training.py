@@ -1,0 +1,108 @@
+"""A tiny MoE GPT on megatron-core's own MoE layer (4 experts, top-2, sigmoid scores, load-balancing
+aux loss, z-loss and the aux-loss-free expert bias; SequentialMLP experts, local spec) trained through
+megatron-core's schedule on MatrixFSDP at DP 2 x EP 1, against the same run in one process: the
+experts are ordinary matrices of the dense shard domain, each on one owner."""
+
+import pytest
+import torch
+
+from megatron_mfsdp.testing import count_collectives, forward_step, init_megatron, micro_batch, run_workers, tiny_gpt
+
+STEPS = 3
+MOE = dict(
+    num_moe_experts=4,
+    moe_router_topk=2,
+    moe_ffn_hidden_size=64,
+    moe_aux_loss_coeff=1e-2,
+    moe_z_loss_coeff=1e-3,
+    moe_router_score_function="sigmoid",
+    moe_router_enable_expert_bias=True,
+    moe_router_bias_update_rate=1e-2,
+)
+
+
+def _moe_matrix_fsdp_worker(rank, world_size, data_ranks: int):
+    """STEPS steps of one global batch of ``data_ranks`` micro-batches (one per DP rank of the run this
+    stands for), this rank's share of them; the full weights, the routers' expert biases, each step's mean
+    lm loss and optimizer-step collectives, and the plan's slots."""
+    import torch.distributed as dist
+
+    from megatron_mfsdp import (
+        MatrixFSDP,
+        MatrixFSDPConfig,
+        configure_schedule,
+        forward_backward,
+        get_megatron_optimizer,
+    )
+    from megatron_mfsdp.testing import optimizer_config
+
+    init_megatron()
+    config, model = tiny_gpt(by_global_name=True, **MOE)
+    ddp = MatrixFSDP(config, MatrixFSDPConfig(), model)
+    opt = get_megatron_optimizer(optimizer_config(), [ddp])
+    configure_schedule([ddp], opt)
+    mine = [r for r in range(data_ranks) if r % world_size == rank]
+    losses, step_calls, biases = [], [], []
+    for step in range(1, STEPS + 1):
+        opt.zero_grad()
+        batches = iter([micro_batch(step, 0, r) for r in mine])
+        dicts = forward_backward(forward_step, batches, [ddp], len(mine), 16, 2)
+        total = torch.tensor([sum(d["lm loss"].item() for d in dicts)], dtype=torch.float64)
+        dist.all_reduce(total)
+        losses.append(total.item() / data_ranks)
+        biases.append({n: b.clone() for n, b in model.named_buffers() if n.endswith("expert_bias")})
+        with count_collectives() as calls:
+            assert opt.step()[0]
+        step_calls.append(list(calls))
+    return {
+        "full": ddp.full_state_dict(),
+        "biases": biases,
+        "losses": losses,
+        "step_calls": step_calls,
+        "plan": [(slot.name, slot.rule, slot.storage, slot.owner) for u in ddp.plan.units for slot in u.slots],
+    }
+
+
+@pytest.fixture(scope="module")
+def dp2():
+    return run_workers(2, _moe_matrix_fsdp_worker, 2)
+
+
+def test_matrix_fsdp_dp2_ep1_moe_bitwise_equals_one_process(dp2):
+    """One micro-batch per rank against both in one process: every gradient is a sum of the same two
+    halves in rank order, the token counts behind the expert bias are summed over DP (one process counts
+    both), the aux losses are scaled per micro-batch alike: weights, biases and losses equal bitwise."""
+    one = run_workers(1, _moe_matrix_fsdp_worker, 2)[0]
+    assert one["losses"][-1] < one["losses"][0], one["losses"]
+    assert dp2[0]["losses"] == dp2[1]["losses"] == one["losses"], (dp2[0]["losses"], one["losses"])
+    for name, ref in one["full"].items():
+        assert torch.equal(dp2[0]["full"][name], ref), f"{name} differs by {(dp2[0]['full'][name] - ref).abs().max()}"
+    # The expert bias moved (it starts at zero), by the same steps on every rank and in one process.
+    for step in range(STEPS):
+        for name, ref in one["biases"][step].items():
+            assert torch.equal(dp2[0]["biases"][step][name], ref) and torch.equal(dp2[1]["biases"][step][name], ref)
+    final = one["biases"][-1]
+    assert len(final) == 2 and all(b.abs().sum() > 0 for b in final.values()), final
+    # The step moves no tensor: one all-reduce of two scalars (the grad norm and zero count).
+    for r in dp2:
+        assert all(calls == [("all_reduce", 2)] for calls in r["step_calls"]), r["step_calls"]
+
+
+def test_matrix_fsdp_dp2_ep1_moe_roles_put_each_expert_and_the_router_on_one_owner(dp2):
+    """Each expert's linear_fc1/fc2 and the router's weight are matrices (--optimizer muon: Muon) stored whole
+    on one owner, the experts spread over both ranks; the router's and the experts' biases are elementwise."""
+    from megatron_mfsdp.placement.classes import ELEMENTWISE, MATRIX, SLICE, WHOLE
+
+    plan = dp2[0]["plan"]
+    assert plan == dp2[1]["plan"]
+    slots = {name: (rule, storage, owner) for name, rule, storage, owner in plan}
+    assert len(slots) == len(plan)  # each parameter placed once
+    experts = [n for n in slots if ".mlp.experts.local_experts." in n and n.endswith(".weight")]
+    routers = [n for n in slots if n.endswith("mlp.router.weight")]
+    assert len(experts) == 2 * 4 * 2 and len(routers) == 2  # 2 layers x 4 experts x fc1/fc2; a router a layer
+    for name in experts + routers:
+        assert slots[name][:2] == (MATRIX, WHOLE) and slots[name][2] in (0, 1), (name, slots[name])
+    assert {slots[n][2] for n in experts} == {0, 1}
+    biases = [n for n in slots if n.endswith("mlp.router.bias") or ".local_experts." in n and n.endswith(".bias")]
+    assert len(biases) == 2 + 2 * 4 * 2
+    assert all(slots[n][:2] == (ELEMENTWISE, SLICE) for n in biases), [(n, slots[n]) for n in biases]
