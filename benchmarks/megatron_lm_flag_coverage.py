@@ -4,7 +4,8 @@ Reads the GPT example scripts (examples/{gpt3,llama,mixtral}/*.sh) and the GPT p
 functional-test configs (tests/functional_tests/test_cases/gpt/*/model_config.yaml, less the
 inference and GRPO ones) of a Megatron-LM checkout, classifies every flag use the way
 pretrain_gpt.py treats it, and tries to parse each source (data and tokenizer flags replaced
-by --mock-data, paths by a temporary folder, world size TP x PP):
+by --mock-data, paths by a temporary folder, world size TP x PP, or the smallest multiple of it
+that the expert groups EP x expert TP x PP tile too):
 
     git clone https://github.com/NVIDIA/Megatron-LM /tmp/Megatron-LM
     python benchmarks/megatron_lm_flag_coverage.py --megatron-lm /tmp/Megatron-LM
@@ -17,6 +18,7 @@ import collections
 import contextlib
 import glob
 import io
+import math
 import os
 import re
 import shlex
@@ -43,7 +45,7 @@ PATH_FLAGS = {"--save", "--load", "--tensorboard-dir", "--wandb-save-dir", "--pr
 KINDS = (
     "ours (same meaning)",
     "accepted, not applicable",
-    "refused: MoE / expert / context parallel",
+    "refused: context parallel",
     "refused: other unsupported feature",
     "refused: other Megatron-LM 0.16.1 flag",
     "not a Megatron-LM 0.16.1 flag",
@@ -100,8 +102,7 @@ def classify(flag: str, ours: set, megatron: frozenset, refused: dict) -> str:
     if flag in accepted.NOT_APPLICABLE:
         return KINDS[1]
     if flag in refused:
-        parallel = ("mixture of experts", "expert parallelism", "context parallelism")
-        return KINDS[2] if refused[flag] in parallel else KINDS[3]
+        return KINDS[2] if refused[flag] == "context parallelism" else KINDS[3]
     if flag in ours:
         return KINDS[0]
     return KINDS[4] if flag in megatron else KINDS[5]
@@ -127,9 +128,11 @@ def try_parse(options, folder: str, multi: set) -> str | None:
         argv += [flag, *values]
     argv += ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "256"]
     sizes = dict((f, v) for f, v in options if v and v[0].isdigit())
-    world = int(sizes.get("--tensor-model-parallel-size", ["1"])[0]) * int(
-        sizes.get("--pipeline-model-parallel-size", ["1"])[0]
+    tp, pp, ep = (
+        int(sizes.get(f"--{name}-model-parallel-size", ["1"])[0]) for name in ("tensor", "pipeline", "expert")
     )
+    etp = int(sizes.get("--expert-tensor-parallel-size", [str(tp)])[0])
+    world = math.lcm(tp * pp, ep * etp * pp)
     err = io.StringIO()
     try:
         with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):

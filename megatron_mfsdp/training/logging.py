@@ -85,13 +85,30 @@ def print_parameter_count(chunks, groups) -> None:
 
 def flops_per_iteration(args, batch_size: int, vocab_size: int) -> float:
     """Model FLOPs of one iteration (forward and backward = 3 x forward, 2 per multiply-add), as
-    Megatron-LM counts a dense GPT: QKV and output projections, causal attention scores, MLP and logits."""
+    Megatron-LM counts a GPT: QKV and output projections, causal attention scores, MLP and logits; an MoE
+    layer's MLP is its top-k experts' and its shared experts' (num_floating_point_operations in
+    megatron/training/training.py at core_v0.16.1, which leaves the router out)."""
     q = args.kv_channels * args.num_attention_heads
     kv = args.kv_channels * (args.num_query_groups if args.group_query_attention else args.num_attention_heads)
     attention = args.hidden_size * (q + 2 * kv) + q * args.seq_length + q * args.hidden_size
-    mlp = args.hidden_size * args.ffn_hidden_size * (3 if args.swiglu else 2)
-    per_token = 3 * 2 * (args.num_layers * (attention + mlp) + args.hidden_size * vocab_size)
+    ffn = 3 if args.swiglu else 2
+    moe_layers = moe_layer_count(args)
+    moe = (
+        0
+        if not moe_layers
+        else args.moe_router_topk * args.moe_ffn_hidden_size + (args.moe_shared_expert_intermediate_size or 0)
+    )
+    mlp = args.hidden_size * ffn * (args.ffn_hidden_size * (args.num_layers - moe_layers) + moe * moe_layers)
+    per_token = 3 * 2 * (args.num_layers * attention + mlp + args.hidden_size * vocab_size)
     return batch_size * args.seq_length * per_token
+
+
+def moe_layer_count(args) -> int:
+    """How many layers are MoE layers (--moe-layer-freq: every N-th, or a 0/1 pattern); 0 for a dense model."""
+    if getattr(args, "num_experts", None) is None:
+        return 0
+    freq = args.moe_layer_freq
+    return sum(freq) if isinstance(freq, list) else sum(1 for i in range(args.num_layers) if i % freq == 0)
 
 
 def iteration_line(

@@ -2,8 +2,8 @@
 (megatron/training/theoretical_memory_usage.py at core_v0.16.1, reimplemented from its formulas),
 then ours for the owner layout, predicted from the plans and measured on the ranks.
 
-Megatron's formulas cover MoE, multi-latent attention, MTP and hybrid models; those flags are
-refused here (arguments/accepted.py), so only its dense-GPT terms are reimplemented."""
+Megatron's formulas cover MoE, multi-latent attention, MTP and hybrid models; the last three are
+refused here (arguments/refused.py), so its dense-GPT and MoE terms are reimplemented."""
 
 from __future__ import annotations
 
@@ -14,13 +14,15 @@ import torch.distributed as dist
 
 from ..groups import group_rank
 from ..optim import registry
+from .logging import moe_layer_count
 
 NUM_BYTES_IN_MEGABYTE = 1024 * 1024
 
 
 def parameter_counts(args) -> dict[str, float]:
-    """Megatron's parameter counts (compute_weight_and_optimizer_memory), dense path: its own model
-    of a layer (no linear biases, no position embedding), as it prints them."""
+    """Megatron's parameter counts (compute_weight_and_optimizer_memory): its own model of a layer (no
+    linear biases, no position embedding, no router), as it prints them; an MoE layer holds every expert
+    and the shared experts (Megatron's figure does not divide the experts by EP)."""
     h, heads = args.hidden_size, args.num_attention_heads
     groups = args.num_query_groups if args.group_query_attention else heads
     query_to_hidden = args.kv_channels * heads / h
@@ -28,9 +30,13 @@ def parameter_counts(args) -> dict[str, float]:
     norm = 1 if args.normalization == "RMSNorm" else 2  # LayerNorm has a bias, RMSNorm not
     attention = 2 * h * h * ((1 + groups / heads) * query_to_hidden)
     layer = 2 * h * (args.ffn_hidden_size * gated + norm) + attention
+    moe_layers, moe_layer = moe_layer_count(args), 0.0
+    if moe_layers:
+        experts = args.moe_ffn_hidden_size * args.num_experts + (args.moe_shared_expert_intermediate_size or 0)
+        moe_layer = 2 * h * (experts * gated + norm) + attention
     embedding = h * args.padded_vocab_size
     embeddings = 2 * embedding if args.untie_embeddings_and_output_weights else embedding
-    block = layer * args.num_layers + norm * h  # the final layernorm
+    block = layer * (args.num_layers - moe_layers) + moe_layer * moe_layers + norm * h
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     # The most loaded shard: 1/PP of the layers and the input embedding (the output layer too at PP 1).
     most_loaded = (block / pp + embedding) / tp

@@ -225,6 +225,23 @@ def test_theoretical_memory_by_hand_with_sp_and_pipeline():
     ) == pytest.approx(435200 * 1.25 / 2)
 
 
+def test_theoretical_memory_and_flops_of_an_moe_model_by_hand():
+    """Megatron's formulas with --num-experts 4 --moe-ffn-hidden-size 32 --moe-layer-freq ([0]+[1]*1): the
+    dense layer 49408 as above; the MoE layer holds all 4 experts (Megatron does not divide them by EP) and no
+    router, 2*64*(32*4 + 2) + 16384 = 33024; the block 49408 + 33024 + 128 = 82560. FLOPs: the MoE layer's MLP
+    is its top-2 experts', 64*2*(32*2) multiply-adds a token against the dense layer's 64*2*256."""
+    moe = dict(num_experts=4, moe_ffn_hidden_size=32, moe_layer_freq=[0, 1], moe_router_topk=2)
+    args = _args(**moe, moe_shared_expert_intermediate_size=None)
+    assert memory.parameter_counts(args)["block"] == 82560
+    shared = memory.parameter_counts(_args(**moe, moe_shared_expert_intermediate_size=16))["block"]
+    assert shared == 82560 + 2 * 64 * 16
+    flops = logging.flops_per_iteration(args, 1, 640)
+    assert flops == logging.flops_per_iteration(_args(), 1, 640) - 64 * 6 * 64 * 2 * (256 - 2 * 32)
+    # Control: every layer MoE (--moe-layer-freq 1) counts the experts' MLP twice.
+    every = _args(**(moe | {"moe_layer_freq": 1}), moe_shared_expert_intermediate_size=None)
+    assert logging.flops_per_iteration(every, 1, 640) == flops - 64 * 6 * 64 * 2 * (256 - 2 * 32)
+
+
 def _owner_worker(rank, world_size, bf16, optimizer):
     from megatron_mfsdp import MatrixFSDP, MatrixFSDPConfig, get_megatron_optimizer
 
