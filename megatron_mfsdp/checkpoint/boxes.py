@@ -66,14 +66,21 @@ def run_shards(sh, start: int, at: int, data: torch.Tensor, key_prefix: str, rep
     return out
 
 
+BUFFERS = "<buffers>"
+"""The :func:`megatron_shards` entry of the module's buffers' ShardedTensors (not a parameter name)."""
+
+
 @torch.no_grad()
 def megatron_shards(module: torch.nn.Module, shapes: dict[str, tuple], metadata=None) -> dict[str, list]:
     """Local parameter name -> [(megatron ShardedTensor, flat start in the TP-local tensor)]:
     megatron-core's own ``sharded_state_dict`` of ``module`` (keys, layer and TP offsets, replica
     ids; SwiGLU fc1 as its two halves), computed on shape-only stand-ins of the parameters named in
-    ``shapes`` (their full shapes: a sharded wrapper has released them)."""
-    from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
+    ``shapes`` (their full shapes: a sharded wrapper has released them). Its ShardedTensors of the
+    module's buffers (an MoE router's expert bias), on the live buffers, come under the key
+    :data:`BUFFERS`: every rank holds them whole, as in megatron-core's checkpoints."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 
+    buffers = {id(b) for b in module.buffers()}
     params = {name: p for name, p in module.named_parameters() if name in shapes}
     names = {id(p): name for name, p in params.items()}
 
@@ -88,9 +95,11 @@ def megatron_shards(module: torch.nn.Module, shapes: dict[str, tuple], metadata=
     finally:
         for name, p in params.items():
             p.data = kept[name]
-    out = {}
+    out = {BUFFERS: []}
     for sh in sharded.values():
         name = names.get(id(getattr(sh, "data", None)))
+        if isinstance(sh, ShardedTensor) and id(sh.data) in buffers:
+            out[BUFFERS].append((sh, 0))
         if name is None:
             continue  # _extra_state objects: not tensors, not saved
         parts = [sh]

@@ -579,4 +579,7 @@ class MatrixFSDP(torch.nn.Module):
                 segments[piece.slot.name] = state.param_segment[
                     piece.segment_offset : piece.segment_offset + piece.numel
                 ]
-        return {prefix + name: shards for name, shards in self.piece_shards(segments, metadata=metadata).items()}
+        out = {prefix + name: shards for name, shards in self.piece_shards(segments, metadata=metadata).items()}
+        for i, (sh, _) in enumerate(self.shard_metadata(metadata)[boxes.BUFFERS]):  # a router's expert bias, whole
+            out[f"{prefix}{boxes.BUFFERS}{i}"] = sh  # megatron's key, stacked over layers, is in the tensor
+        return out

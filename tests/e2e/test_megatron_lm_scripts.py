@@ -1,7 +1,7 @@
 """Megatron-LM's own launch scripts and functional-test configs (tests/megatron_lm_scripts.py): each
 parses at its own sizes, and a scaled-down copy trains with --use-matrix-fsdp --optimizer muon added
-(Mixtral's expert parallelism trains as written, on megatron-core's DDP: MatrixFSDP's expert domain is
-not built yet)."""
+(Mixtral's expert parallelism trains as written, on megatron-core's DDP; MatrixFSDP's expert domain at
+EP 2 is tested in tests/e2e/test_moe_pretrain.py and tests/distributed/test_moe_training.py)."""
 
 import math
 

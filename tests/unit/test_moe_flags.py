@@ -104,9 +104,9 @@ def test_moe_flags_reach_megatron_cores_transformer_config():
             "concatenates the local experts in one 2D tensor, so a matrix optimizer cannot treat each expert",
         ),
         (
-            ["--expert-model-parallel-size", "2", "--use-matrix-fsdp"],
-            "--expert-model-parallel-size 2 with --use-matrix-fsdp: the expert shard domain (expert matrices on "
-            "owners over the expert-data-parallel group) is not built yet",
+            ["--expert-model-parallel-size", "2", "--use-matrix-fsdp", "--mfsdp-replicate-size", "2"],
+            "--expert-model-parallel-size 2 with --mfsdp-replicate-size above 1 or --mfsdp-layout even: the "
+            "expert domain is built for owner sharding without replicas only",
         ),
         (
             ["--expert-model-parallel-size", "2"],

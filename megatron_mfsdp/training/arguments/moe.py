@@ -83,11 +83,18 @@ def _check_layout(args) -> None:
 
 
 def _check_backend(args) -> None:
-    """Experts on MatrixFSDP live in its dense shard domain: whole matrices over the data-parallel
-    group. With EP > 1, or an expert TP other than the dense TP, they belong to a domain over the
-    expert-data-parallel group, which MatrixFSDP does not have yet."""
+    """Experts on MatrixFSDP: at EP 1 whole matrices of the dense shard domain; at EP above 1 whole
+    matrices of the expert domain, over megatron-core's expert-data-parallel group (runtime/wrapper.py),
+    built and tested at TP 1 only. An expert TP other than the dense TP has no domain yet."""
     ep, etp, tp = args.expert_model_parallel_size, args.expert_tensor_parallel_size, args.tensor_model_parallel_size
     if ep == 1 and etp == tp:
+        return
+    if args.use_matrix_fsdp and etp == tp == 1:
+        if getattr(args, "mfsdp_replicate_size", 1) > 1 or getattr(args, "mfsdp_layout", "owner") != "owner":
+            _fail(
+                f"--expert-model-parallel-size {ep} with --mfsdp-replicate-size above 1 or --mfsdp-layout even: "
+                "the expert domain is built for owner sharding without replicas only"
+            )
         return
     from ..setup import MEGATRON_OPTIMIZERS
 
@@ -104,9 +111,9 @@ def _check_backend(args) -> None:
     )
     _fail(
         f"{flag} with {how}: the expert shard domain (expert matrices on owners over the expert-data-parallel "
-        "group) is not built yet; experts run on MatrixFSDP at --expert-model-parallel-size 1 with the dense "
-        "tensor parallelism, or at any EP on megatron-core's DDP (--optimizer adam or sgd without "
-        "--use-matrix-fsdp)"
+        "group) is built for --use-matrix-fsdp at --tensor-model-parallel-size 1 and --expert-tensor-parallel-size 1 "
+        "only; experts run on MatrixFSDP there or at --expert-model-parallel-size 1 with the dense tensor "
+        "parallelism, or at any EP on megatron-core's DDP (--optimizer adam or sgd without --use-matrix-fsdp)"
     )
 
 
