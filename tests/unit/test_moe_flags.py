@@ -3,21 +3,11 @@ bad input named before any work, what this machine cannot run noticed, what mega
 
 import pytest
 
-from megatron_mfsdp.training.arguments import parse_args
 from tests.launch import TINY
+from tests.launch import parse as _parse
+from tests.launch import parse_error as _error
 
 MOE = ["--num-experts", "4", "--moe-ffn-hidden-size", "64"]
-
-
-def _parse(argv, world_size=2):
-    return parse_args(list(argv), world_size=world_size)
-
-
-def _error(argv, capsys, world_size=2) -> str:
-    with pytest.raises(SystemExit) as exit_:
-        parse_args(list(argv), world_size=world_size)
-    assert exit_.value.code == 2
-    return capsys.readouterr().err
 
 
 def test_moe_defaults_and_derived_values_are_megatron_lms():
