@@ -85,6 +85,23 @@ TINY = [
 ]
 
 
+def parse(argv, world_size: int = 2):
+    """pretrain_gpt.py's flags parsed and validated as ``world_size`` ranks would."""
+    from megatron_mfsdp.training.arguments import parse_args
+
+    return parse_args(list(argv), world_size=world_size)
+
+
+def parse_error(argv, capsys, world_size: int = 2) -> str:
+    """parse_args exits 2 (argparse's usage error) and the message it printed (pytest's ``capsys``)."""
+    import pytest
+
+    with pytest.raises(SystemExit) as exit_:
+        parse(argv, world_size)
+    assert exit_.value.code == 2
+    return capsys.readouterr().err
+
+
 def run_pretrain(nproc: int, *flags: str, tmp_path, check: bool = True) -> subprocess.CompletedProcess:
     cmd = [
         sys.executable,

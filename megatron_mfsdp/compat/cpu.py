@@ -4,10 +4,12 @@ megatron-core creates some tensors with ``device='cuda'`` or
 ``torch.cuda.current_device()`` (grad scalers, pipeline p2p buffers, timers) and
 calls ``torch.cuda.synchronize``/``current_stream`` and the CUDA RNG tracker's
 ``fork``, its MoE all-to-all dispatcher creates a CUDA stream and event and copies its split
-sizes to the host on it, and its optimizers compare ``tensor.type()`` with CUDA type names. On a
+sizes to the host on it and gathers tensors of uneven sizes (which NCCL takes and gloo does not), and
+its optimizers compare ``tensor.type()`` with CUDA type names. On a
 machine without CUDA, :func:`cuda_on_cpu` rewrites those device arguments to the CPU,
 reports CPU tensor types under their CUDA names, turns the stream, event and fork calls
-into no-ops and hands the split sizes over as host arrays, for the duration of a block (the
+into no-ops, hands the split sizes over as host arrays and pads uneven gathers, for the duration of a
+block (the
 run's model construction, forward-backward and optimizer step all run inside one). With CUDA
 present it does nothing, so GPU runs use megatron-core unchanged.
 """
@@ -90,6 +92,28 @@ def _host_copy(tensor, as_numpy: bool = False, record_stream: bool = False):
     return tensor
 
 
+def _uneven_all_gather(all_gather):
+    """torch.distributed.all_gather for gloo, which refuses tensors of different sizes ("invalid tensor
+    size") where NCCL takes them: megatron-core's MoE all-to-all dispatcher gathers each tensor-parallel
+    rank's tokens for its local experts, a different count per rank (tensor_parallel/mappings.py
+    _gather_along_first_dim with output_split_sizes). Uneven first dimensions travel padded to the
+    largest and are cut back; even ones go to gloo as they are."""
+
+    def gather(tensor_list, tensor, group=None, async_op=False):
+        if all(t.shape == tensor.shape for t in tensor_list) or async_op:
+            return all_gather(tensor_list, tensor, group=group, async_op=async_op)
+        rows = [t.shape[0] for t in tensor_list]
+        padded = tensor.new_zeros((max(rows), *tensor.shape[1:]))
+        padded[: tensor.shape[0]] = tensor
+        received = [torch.empty_like(padded) for _ in tensor_list]
+        all_gather(received, padded, group=group)
+        for out, got, n in zip(tensor_list, received, rows):
+            out.copy_(got[:n])
+        return None
+
+    return gather
+
+
 def _patches():
     """(object, attribute, CPU stand-in) of everything cuda_on_cpu swaps for the block."""
     from megatron.core.tensor_parallel import get_cuda_rng_tracker, random
@@ -106,6 +130,7 @@ def _patches():
         (torch.cuda, "Event", _NullEvent),
         (torch.cuda, "stream", lambda *a, **k: contextlib.nullcontext()),
         (token_dispatcher, "maybe_move_tensor_to_cpu", _host_copy),
+        (torch.distributed, "all_gather", _uneven_all_gather(torch.distributed.all_gather)),
         # The CUDA RNG tracker (forked around dropout in sequence-parallel regions) has no CPU
         # states: there dropout draws from the CPU generator, which activation recomputation
         # saves and restores itself; the CUDA part of its saved state is empty.

@@ -6,6 +6,8 @@ import pytest
 from megatron_mfsdp.data.datasets import padded_vocab_size
 from megatron_mfsdp.training.arguments import accepted, build_parser, parse_args
 from tests.launch import TINY
+from tests.launch import parse as _parse
+from tests.launch import parse_error as _error
 
 # The dest and default of every flag we share with Megatron-LM, as its own parser has them: the
 # parser of megatron/training/arguments.py at tag core_v0.16.1 was built and read flag by flag
@@ -300,18 +302,6 @@ def _without(argv, *flags):
         if not skipping:
             out.append(token)
     return out
-
-
-def _parse(argv, world_size=2):
-    return parse_args(list(argv), world_size=world_size)
-
-
-def _error(argv, capsys, world_size=2) -> str:
-    """parse_args exits 2 (argparse's usage error) and the message it printed."""
-    with pytest.raises(SystemExit) as exit_:
-        parse_args(list(argv), world_size=world_size)
-    assert exit_.value.code == 2
-    return capsys.readouterr().err
 
 
 def test_every_shared_flag_has_megatron_lms_dest_and_default():

@@ -3,25 +3,18 @@ bad input named before any work, what this machine cannot run noticed, what mega
 
 import pytest
 
-from megatron_mfsdp.training.arguments import parse_args
 from tests.launch import TINY
+from tests.launch import parse as _parse
+from tests.launch import parse_error as _error
 
 MOE = ["--num-experts", "4", "--moe-ffn-hidden-size", "64"]
 
 
-def _parse(argv, world_size=2):
-    return parse_args(list(argv), world_size=world_size)
-
-
-def _error(argv, capsys, world_size=2) -> str:
-    with pytest.raises(SystemExit) as exit_:
-        parse_args(list(argv), world_size=world_size)
-    assert exit_.value.code == 2
-    return capsys.readouterr().err
-
-
 def test_moe_defaults_and_derived_values_are_megatron_lms():
-    args = _parse(TINY + ["--num-experts", "4", "--tensor-model-parallel-size", "2", "--disable-bias-linear"])
+    args = _parse(
+        TINY
+        + ["--num-experts", "4", "--tensor-model-parallel-size", "2", "--sequence-parallel", "--disable-bias-linear"]
+    )
     assert args.moe_ffn_hidden_size == args.ffn_hidden_size == 256  # validate_args: the dense FFN size
     assert args.expert_tensor_parallel_size == 2 and args.expert_model_parallel_size == 1  # ETP defaults to TP
     assert (args.moe_router_topk, args.moe_router_score_function, args.moe_token_dispatcher_type) == (
@@ -90,6 +83,10 @@ def test_moe_flags_reach_megatron_cores_transformer_config():
             "world size 2 is not divisible by --expert-model-parallel-size 1 x --expert-tensor-parallel-size 4",
         ),
         (["--moe-router-topk", "5"], "--moe-router-topk 5 is larger than --num-experts 4"),
+        (
+            ["--tensor-model-parallel-size", "2", "--disable-bias-linear"],
+            "--num-experts with --tensor-model-parallel-size 2 needs --sequence-parallel",
+        ),
         (["--moe-layer-freq", "([0]+[1]*3)"], "--moe-layer-freq gives 4 layers, --num-layers 2: one entry per layer"),
         (["--moe-layer-freq", "[2]*2"], "argument --moe-layer-freq: expected a positive integer or a list expression"),
         (["--moe-layer-freq", "__import__('os')"], "argument --moe-layer-freq: expected a positive integer"),

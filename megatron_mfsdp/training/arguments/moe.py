@@ -70,6 +70,12 @@ def _check_layout(args) -> None:
             f"--use-tp-pp-dp-mapping orders the ranks TP, PP, DP with no expert-parallel axis: it does not combine "
             f"with --expert-model-parallel-size {ep} (megatron-core's rank generator needs 'ep' in the order)"
         )
+    if args.tensor_model_parallel_size > 1 and not args.sequence_parallel:
+        _fail(
+            f"--num-experts with --tensor-model-parallel-size {args.tensor_model_parallel_size} needs "
+            "--sequence-parallel (megatron-core's MoE layer refuses to train without it: moe_layer.py at "
+            "core_v0.16.1)"
+        )
     if args.moe_router_topk > experts:
         _fail(f"--moe-router-topk {args.moe_router_topk} is larger than --num-experts {experts}")
     freq = args.moe_layer_freq
