@@ -119,14 +119,21 @@ def test_moe_flags_reach_megatron_cores_transformer_config():
             "--num-experts 4: megatron-core refuses the MoE settings: Expert bias for aux-loss-free routing only "
             "supports sigmoid score function",
         ),
-        (
-            ["--expert-model-parallel-size", "2", "--optimizer", "adam", "--use-tp-pp-dp-mapping"],
-            "--use-tp-pp-dp-mapping orders the ranks TP, PP, DP with no expert-parallel axis",
-        ),
     ],
 )
 def test_bad_moe_input_exits_2_naming_the_flags_before_any_work(flags, message, capsys):
     assert message in _error(TINY + MOE + flags, capsys)
+
+
+def test_tp_pp_dp_mapping_is_megatron_lms_order_with_the_expert_axis(capsys):
+    """Megatron-LM's --use-tp-pp-dp-mapping is the order tp-cp-ep-pp-dp (megatron/training/initialize.py), which
+    megatron-core's rank generator needs for the expert groups (an order without 'ep' fails at EP > 1)."""
+    args = _parse(TINY + MOE + ["--expert-model-parallel-size", "2", "--optimizer", "adam", "--use-tp-pp-dp-mapping"])
+    assert args.parallel_order == "tp-cp-ep-pp-dp"
+    assert _parse(TINY).parallel_order == "tp-cp-ep-dp-pp"
+    pp2 = ["--pipeline-model-parallel-size", "2", "--use-tp-pp-dp-mapping"]
+    err = _error(TINY + MOE + ["--expert-model-parallel-size", "2", "--optimizer", "adam"] + pp2, capsys, world_size=4)
+    assert "--use-tp-pp-dp-mapping with --pipeline-model-parallel-size 2: the expert data-parallel size 1" in err
 
 
 def test_expert_parallelism_needs_experts(capsys):

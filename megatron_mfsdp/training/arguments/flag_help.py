@@ -202,7 +202,7 @@ HELP = {
     "--overlap-p2p-communication-warmup-flush": "overlap pipeline communication in warmup and flush too",
     "--no-align-grad-reduce": "start gradient reductions per virtual stage, not aligned",
     "--no-align-param-gather": "start parameter gathers per virtual stage, not aligned",
-    "--use-tp-pp-dp-mapping": "rank order TP, PP, DP instead of TP, CP, EP, DP, PP",
+    "--use-tp-pp-dp-mapping": "rank order TP, CP, EP, PP, DP instead of TP, CP, EP, DP, PP",
     "--distributed-timeout-minutes": "timeout of the process groups' collectives",
     "--use-distributed-optimizer": "megatron-core's DistributedOptimizer (ZeRO-1); with --use-matrix-fsdp noticed",
     "--overlap-grad-reduce": "overlap gradient reductions with the backward pass",

@@ -65,10 +65,11 @@ def _check_layout(args) -> None:
             f"--expert-tensor-parallel-size {etp} x --pipeline-model-parallel-size {pp}"
         )
     args.expert_data_parallel_size = args.world_size // (ep * etp * pp)
-    if ep > 1 and args.use_tp_pp_dp_mapping:
+    if args.use_tp_pp_dp_mapping and pp > 1 and args.expert_data_parallel_size != args.data_parallel_size:
         _fail(
-            f"--use-tp-pp-dp-mapping orders the ranks TP, PP, DP with no expert-parallel axis: it does not combine "
-            f"with --expert-model-parallel-size {ep} (megatron-core's rank generator needs 'ep' in the order)"
+            f"--use-tp-pp-dp-mapping with --pipeline-model-parallel-size {pp}: the expert data-parallel size "
+            f"{args.expert_data_parallel_size} (world / (EP x expert TP x PP)) must equal the data-parallel size "
+            f"{args.data_parallel_size}, megatron-core's rule when the ranks are not ordered pipeline-last"
         )
     if args.tensor_model_parallel_size > 1 and not args.sequence_parallel:
         _fail(

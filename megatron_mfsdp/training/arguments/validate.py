@@ -36,7 +36,8 @@ def validate_parallel(args) -> None:
     if args.distributed_backend == "nccl" and not _has_cuda():
         args.distributed_backend = "gloo"
         args.notices.append("--distributed-backend nccl: no CUDA on this machine, gloo runs instead")
-    args.parallel_order = "tp-pp-dp" if args.use_tp_pp_dp_mapping else "tp-cp-ep-dp-pp"
+    # Megatron-LM's orders (megatron/training/initialize.py at core_v0.16.1), the expert groups' too
+    args.parallel_order = "tp-cp-ep-pp-dp" if args.use_tp_pp_dp_mapping else "tp-cp-ep-dp-pp"
     _validate_virtual_pipeline(args)
 
 
