@@ -26,6 +26,11 @@ SHAPE_ARGS = (
     "add_bias_linear",
     "add_qkv_bias",
     "qk_layernorm",
+    # An MoE model's shape (the same file, core_v0.16.1: load_args_from_checkpoint's MoE block).
+    "num_experts",
+    "moe_layer_freq",
+    "moe_ffn_hidden_size",
+    "moe_shared_expert_intermediate_size",
 )
 # What --use-checkpoint-args copies besides the shape (Megatron-LM's list, same file).
 MODEL_ARGS = SHAPE_ARGS + (
@@ -45,6 +50,11 @@ MODEL_ARGS = SHAPE_ARGS + (
     "merge_file",
     "bf16",
     "fp16",
+    "moe_router_topk",
+    "moe_router_pre_softmax",
+    "moe_router_score_function",
+    "moe_router_enable_expert_bias",
+    "moe_router_topk_scaling_factor",
 )
 # Scheduler values Megatron-LM's OptimizerParamScheduler checks on load, plus the global batch size,
 # whose change would skip or repeat samples.

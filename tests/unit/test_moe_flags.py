@@ -174,3 +174,16 @@ def test_the_expert_layout_line():
     assert line.startswith("> experts: 4 per MoE layer, top-2 (softmax), EP=2 (2 experts per rank) x expert TP=1")
     assert "expert DP=2, allgather dispatcher, FFN 64 per expert" in line
     assert expert_layout_line(_parse(TINY)) is None
+
+
+def test_a_checkpoint_of_another_expert_count_is_named_before_any_tensor():
+    """checkpoint/resume.py checks the MoE shape arguments Megatron-LM's load_args_from_checkpoint copies
+    (core_v0.16.1 megatron/training/checkpointing.py): another --num-experts or expert FFN size stops the
+    load naming the flag; the same ones pass."""
+    from megatron_mfsdp.checkpoint.resume import check_same_model
+
+    saved = {"num_layers": 2, "num_experts": 4, "moe_ffn_hidden_size": 64}
+    check_same_model(dict(saved), saved, "ckpt/common.pt")
+    for key, value, flag in (("num_experts", 8, "--num-experts"), ("moe_ffn_hidden_size", 32, "--moe-ffn-hidden-size")):
+        with pytest.raises(ValueError, match=f"saved for another model: {flag}: checkpoint"):
+            check_same_model({**saved, key: value}, saved, "ckpt/common.pt")
