@@ -116,7 +116,8 @@ def test_matrix_fsdp_ep1_pretrain_at_dp2_tp2_pp2_matches_one_process(tmp_path):
 def test_matrix_fsdp_ep2_pretrain_matches_one_process_and_resumes_at_ep1(tmp_path):
     """--use-matrix-fsdp at EP 2 x expert DP 2 on 4 ranks (the expert domain): the 1-rank run's losses within
     1e-5; its checkpoint of iteration 3 (experts saved under megatron-core's keys with their global expert
-    index) resumed on 1 rank at EP 1 gives the uninterrupted run's iterations 4-5."""
+    index, the routers' expert biases whole) resumed on 1 rank at EP 1 and on 4 ranks at EP 4 (one expert a
+    rank, expert DP 1) gives the uninterrupted run's iterations 4-5."""
     flags = [*TINY, *MOE, "--use-matrix-fsdp"]
     reference = train_losses(pretrain_in_workers(1, *flags, tmp_path=tmp_path))
     save = tmp_path / "ckpt"
@@ -127,7 +128,9 @@ def test_matrix_fsdp_ep2_pretrain_matches_one_process_and_resumes_at_ep1(tmp_pat
     worst = _close(train_losses(ep2[-1]), reference)
     assert "EP=2 (2 experts per rank) x expert TP=1 x expert DP=2" in ep2[0]["stdout"]
     (save / "latest_checkpointed_iteration.txt").write_text("3")
-    resumed = train_losses(pretrain_in_workers(1, *flags, "--load", str(save), tmp_path=tmp_path))
-    moved = max(abs(a - b) for a, b in zip(resumed, reference[3:]))
-    print(f"\nMatrixFSDP EP2 x expert DP2: max lm loss delta vs 1 rank = {worst:.2e}; resumed at EP1: {moved:.2e}")
-    assert len(resumed) == 2 and moved <= 1e-5, (resumed, reference[3:])
+    print(f"\nMatrixFSDP EP2 x expert DP2: max lm loss delta vs 1 rank = {worst:.2e}")
+    for nproc, layout in ((1, []), (4, ["--expert-model-parallel-size", "4"])):
+        resumed = train_losses(pretrain_in_workers(nproc, *flags, *layout, "--load", str(save), tmp_path=tmp_path))
+        moved = max(abs(a - b) for a, b in zip(resumed, reference[3:]))
+        print(f"resumed on {nproc} rank(s) {layout}: {moved:.2e}")
+        assert len(resumed) == 2 and moved <= 1e-5, (layout, resumed, reference[3:])
