@@ -56,18 +56,48 @@ def layer_shapes(args, index: int) -> Shapes:
     fc1_rows = (2 if args.swiglu else 1) * args.ffn_hidden_size // tp
     layernorm, bias = args.normalization == "LayerNorm", args.add_bias_linear
     p = f"decoder.layers.{index}"
+    mlp = (
+        moe_shapes(args, f"{p}.mlp")
+        if is_moe_layer(args, index)
+        else _linear(f"{p}.mlp.linear_fc1", fc1_rows, h, fc1_rows if bias else None)
+        + _linear(f"{p}.mlp.linear_fc2", h, args.ffn_hidden_size // tp, h if bias else None)
+    )
     attention = _linear(f"{p}.self_attention.linear_proj", h, args.num_attention_heads * kv // tp, h if bias else None)
     attention += _linear(f"{p}.self_attention.linear_qkv", qkv_rows, h, qkv_rows if bias or args.add_qkv_bias else None)
     if args.qk_layernorm:
         attention += _norm(f"{p}.self_attention.q_layernorm", kv, layernorm)
         attention += _norm(f"{p}.self_attention.k_layernorm", kv, layernorm)
-    return (
-        _norm(f"{p}.input_layernorm", h, layernorm)
-        + attention
-        + _norm(f"{p}.pre_mlp_layernorm", h, layernorm)
-        + _linear(f"{p}.mlp.linear_fc1", fc1_rows, h, fc1_rows if bias else None)
-        + _linear(f"{p}.mlp.linear_fc2", h, args.ffn_hidden_size // tp, h if bias else None)
-    )
+    return _norm(f"{p}.input_layernorm", h, layernorm) + attention + _norm(f"{p}.pre_mlp_layernorm", h, layernorm) + mlp
+
+
+def is_moe_layer(args, index: int) -> bool:
+    """Whether layer ``index`` (0-based) is an MoE layer: --moe-layer-freq k makes every k-th one, a list
+    gives the pattern (megatron-core's get_gpt_decoder_block_spec at core_v0.16.1)."""
+    if not getattr(args, "num_experts", None):
+        return False
+    freq = args.moe_layer_freq
+    return bool(freq[index]) if isinstance(freq, list) else index % freq == 0
+
+
+def moe_shapes(args, p: str) -> Shapes:
+    """An MoE layer's parameters in megatron-core's registration order (moe_layer.py: router, experts,
+    shared experts): the router's weight (experts, hidden; its expert bias is a buffer), each local
+    expert's linear_fc1/fc2 (SequentialMLP, split over expert TP) and the shared experts' (over TP)."""
+    h, tp = args.hidden_size, args.tensor_model_parallel_size
+    etp = args.expert_tensor_parallel_size or tp  # Megatron-LM's default: the dense TP
+    ffn = args.moe_ffn_hidden_size or args.ffn_hidden_size
+    glu = 2 if args.swiglu else 1
+    out = [(f"{p}.router.weight", (args.num_experts, h))]
+    for j in range(args.num_experts // args.expert_model_parallel_size):
+        e = f"{p}.experts.local_experts.{j}"
+        bias = args.add_bias_linear
+        out += _linear(f"{e}.linear_fc1", glu * ffn // etp, h, glu * ffn // etp if bias else None)
+        out += _linear(f"{e}.linear_fc2", h, ffn // etp, h if bias else None)
+    shared = args.moe_shared_expert_intermediate_size
+    if shared:
+        out += _linear(f"{p}.shared_experts.linear_fc1", glu * shared // tp, h, None)
+        out += _linear(f"{p}.shared_experts.linear_fc2", h, shared // tp, None)
+    return out
 
 
 def model_shapes(args) -> list[tuple[str, Shapes]]:
@@ -169,12 +199,16 @@ def meta_units(shapes) -> list:
 
     from megatron_mfsdp.models import ModelUnit
 
-    return [
-        ModelUnit(name, [(n, torch.empty(shape, device="meta")) for n, shape in params], []) for name, params in shapes
-    ]
+    def meta(name, shape):
+        t = torch.empty(shape, device="meta")
+        if ".mlp.experts." in name:
+            t.allreduce = False  # megatron-core's mark of an expert parameter (runtime/wrapper.py: is_expert)
+        return t
+
+    return [ModelUnit(name, [(n, meta(n, shape)) for n, shape in params], []) for name, params in shapes]
 
 
-def specs_from_args(args) -> list:
+def specs_from_args(args, units=None) -> list:
     """Planner specs of the model the (validated) flags describe, by the unit_specs MatrixFSDP plans from
     (placement/specs.py; with Q, K and V apart if --mfsdp-split-qkv-owners asks)."""
     from types import SimpleNamespace
@@ -188,27 +222,60 @@ def specs_from_args(args) -> list:
         num_attention_heads=args.num_attention_heads, num_query_groups=groups, kv_channels=args.kv_channels
     )
     runtime = runtime_config(args, on_cpu=False)  # costed as a GPU cluster runs Newton-Schulz
-    return unit_specs(meta_units(model_shapes(args)), runtime, GPT_ADAPTER, shape)
+    return unit_specs(units if units is not None else meta_units(model_shapes(args)), runtime, GPT_ADAPTER, shape)
 
 
-def plan_from_args(args):
-    """(planner specs, plan) of the (validated) flags, over DP / --mfsdp-replicate-size owners."""
+def domain_units(args) -> dict[str, list]:
+    """The model's units per shard domain, as MatrixFSDP splits them (runtime/wrapper.py:
+    split_expert_units): everything "dense" at EP 1; at EP above 1 each MoE layer's experts "expert"."""
+    from types import SimpleNamespace
+
+    from megatron_mfsdp.runtime.wrapper import split_expert_units
+
+    parts = split_expert_units(meta_units(model_shapes(args)), SimpleNamespace(ep_size=args.expert_model_parallel_size))
+    out: dict[str, list] = {}
+    for unit, domain in parts:
+        out.setdefault(domain, []).append(unit)
+    return out
+
+
+def plan_from_args(args, domain: str = "dense"):
+    """(planner specs, plan) of the (validated) flags in one shard domain: dense over DP /
+    --mfsdp-replicate-size owners, experts over expert DP (world / (EP x expert TP))."""
     from megatron_mfsdp.placement import plan_units
 
-    specs = specs_from_args(args)
-    plan = plan_units(specs, args.data_parallel_size // args.mfsdp_replicate_size, args.mfsdp_planner)
+    specs = specs_from_args(args, domain_units(args)[domain])
+    world = args.data_parallel_size // args.mfsdp_replicate_size
+    if domain == "expert":
+        world = args.tensor_model_parallel_size * args.data_parallel_size
+        world //= args.expert_model_parallel_size * (
+            args.expert_tensor_parallel_size or args.tensor_model_parallel_size
+        )
+    plan = plan_units(specs, world, args.mfsdp_planner)
     plan.element_size = 2 if args.bf16 or args.fp16 else 4
     return specs, plan
 
 
-def report(args, specs, plan) -> str:
-    """The start-up plan line and table, preceded by the model and followed by the lower bounds."""
+def report(args, specs, plan, domain: str = "dense") -> str:
+    """The start-up plan line and table, preceded by the model and followed by the lower bounds; the
+    expert domain's (at EP above 1) after the dense one's."""
     from megatron_mfsdp.placement import WHOLE
     from megatron_mfsdp.placement.bounds import plan_bounds
 
     total = sum(p.numel for u in specs for p in u.params)
     matrices = sum(p.numel for u in specs for p in u.params if p.storage == WHOLE)
     bounds = plan_bounds(specs, plan.world_size)
+    if domain == "expert":
+        ep, local = args.expert_model_parallel_size, args.num_experts // args.expert_model_parallel_size
+        return "\n".join(
+            [
+                f"experts: EP {ep} ({local} experts per rank), expert TP "
+                f"{args.expert_tensor_parallel_size or args.tensor_model_parallel_size}, owners "
+                f"over expert DP {plan.world_size}: {total:,} expert parameters per rank",
+                "> pipeline stage 0, expert domain: " + plan.report(),
+                f"lower bounds: bytes {bounds.bytes:.3f}, NS flops {bounds.ns_flops:.3f} (max/mean no plan can beat)",
+            ]
+        )
     return "\n".join(
         [
             f"GPT {args.num_layers} layers, hidden {args.hidden_size}, TP {args.tensor_model_parallel_size}, "
@@ -283,6 +350,8 @@ def run(argv: list[str] | None = None) -> int:
     args = parse(argv)
     specs, plan = plan_from_args(args)
     print(report(args, specs, plan))
+    if "expert" in domain_units(args):
+        print(report(args, *plan_from_args(args, "expert"), domain="expert"))
     if args.traffic:
         print(traffic(args, plan)[0])
     return 0

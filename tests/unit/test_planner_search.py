@@ -258,6 +258,9 @@ SMALL = {
     "qwen-like": "--num-layers 1 --hidden-size 64 --num-attention-heads 4 --group-query-attention "
     "--num-query-groups 2 --disable-bias-linear --add-qkv-bias --qk-layernorm --position-embedding-type rope "
     "--vocab-size 300",
+    "moe": "--num-layers 2 --hidden-size 64 --ffn-hidden-size 96 --num-attention-heads 4 --swiglu "
+    "--disable-bias-linear --position-embedding-type rope --vocab-size 300 --num-experts 4 --moe-ffn-hidden-size 32 "
+    "--moe-router-topk 2 --moe-shared-expert-intermediate-size 48 --moe-layer-freq [0,1]",
 }
 
 
@@ -293,7 +296,7 @@ def _meta_specs_worker(rank, world_size, cases, specs, world_sizes):
 
 
 def test_analytic_shapes_equal_a_meta_built_gpt_model_and_plans_agree_across_processes(specs):
-    cases = [(SMALL["gpt"], 2), (SMALL["llama"], 2), (SMALL["qwen-like"], 1)]
+    cases = [(SMALL["gpt"], 2), (SMALL["llama"], 2), (SMALL["qwen-like"], 1), (SMALL["moe"], 1)]
     case, world_sizes = specs["llama3-70b-tp8"], (32,)
     results = run_workers(2, _meta_specs_worker, cases, case, world_sizes)
     digests = [plan_units(case, w).digest() for w in world_sizes]
@@ -301,3 +304,22 @@ def test_analytic_shapes_equal_a_meta_built_gpt_model_and_plans_agree_across_pro
         assert worker_digests == digests
         for (flags, tp), meta in zip(cases, built):
             assert TOOL.specs_from_args(_args(flags, tp)) == meta, (flags, tp)
+
+
+def test_plan_tool_puts_experts_in_their_domain_over_expert_dp():
+    """tools/plan.py at EP 2 on 8 ranks: the dense plan over DP 8 holds no expert, the expert plan over
+    expert DP 4 holds each local expert matrix exactly once (2 experts x fc1/fc2 in the one MoE layer),
+    split as runtime/wrapper.py splits units (split_expert_units); at EP 1 experts are dense."""
+    args = TOOL.parse(SMALL["moe"].split() + "--expert-model-parallel-size 2 --data-parallel-size 8".split())
+    (dense_specs, dense), (expert_specs, expert) = TOOL.plan_from_args(args), TOOL.plan_from_args(args, "expert")
+    assert (dense.world_size, expert.world_size) == (8, 4)
+    names = [p.name for u in expert_specs for p in u.params]
+    assert sorted(names) == sorted(
+        f"decoder.layers.1.mlp.experts.local_experts.{j}.linear_fc{k}.weight" for j in range(2) for k in (1, 2)
+    )
+    assert not any(".experts." in p.name for u in dense_specs for p in u.params)
+    assert any(p.name.endswith("mlp.router.weight") for u in dense_specs for p in u.params)
+    owned = [s.name for u in expert.units for s in u.slots if s.owner is not None]
+    assert sorted(owned) == sorted(names)
+    single = TOOL.parse(SMALL["moe"].split() + ["--data-parallel-size", "8"])
+    assert set(TOOL.domain_units(single)) == {"dense"}
