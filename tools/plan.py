@@ -50,6 +50,8 @@ def layer_shapes(args, index: int) -> Shapes:
     linear_fc2 row parallel (columns / TP, bias whole). QKV rows are (heads + 2 * groups) *
     kv_channels, fc1 rows twice the FFN size with SwiGLU (matches megatron/core/transformer/
     attention.py and mlp.py at core_v0.16.1)."""
+    from megatron_mfsdp.training.logging import moe_layer_pattern
+
     h, tp, kv = args.hidden_size, args.tensor_model_parallel_size, args.kv_channels
     groups = args.num_query_groups if args.group_query_attention else args.num_attention_heads
     qkv_rows = (args.num_attention_heads + 2 * groups) * kv // tp
@@ -58,7 +60,7 @@ def layer_shapes(args, index: int) -> Shapes:
     p = f"decoder.layers.{index}"
     mlp = (
         moe_shapes(args, f"{p}.mlp")
-        if is_moe_layer(args, index)
+        if moe_layer_pattern(args)[index]
         else _linear(f"{p}.mlp.linear_fc1", fc1_rows, h, fc1_rows if bias else None)
         + _linear(f"{p}.mlp.linear_fc2", h, args.ffn_hidden_size // tp, h if bias else None)
     )
@@ -70,15 +72,6 @@ def layer_shapes(args, index: int) -> Shapes:
     return _norm(f"{p}.input_layernorm", h, layernorm) + attention + _norm(f"{p}.pre_mlp_layernorm", h, layernorm) + mlp
 
 
-def is_moe_layer(args, index: int) -> bool:
-    """Whether layer ``index`` (0-based) is an MoE layer: --moe-layer-freq k makes every k-th one, a list
-    gives the pattern (megatron-core's get_gpt_decoder_block_spec at core_v0.16.1)."""
-    if not getattr(args, "num_experts", None):
-        return False
-    freq = args.moe_layer_freq
-    return bool(freq[index]) if isinstance(freq, list) else index % freq == 0
-
-
 def moe_shapes(args, p: str) -> Shapes:
     """An MoE layer's parameters in megatron-core's registration order (moe_layer.py: router, experts,
     shared experts): the router's weight (experts, hidden; its expert bias is a buffer), each local
@@ -87,10 +80,9 @@ def moe_shapes(args, p: str) -> Shapes:
     etp = args.expert_tensor_parallel_size or tp  # Megatron-LM's default: the dense TP
     ffn = args.moe_ffn_hidden_size or args.ffn_hidden_size
     glu = 2 if args.swiglu else 1
-    out = [(f"{p}.router.weight", (args.num_experts, h))]
+    out, bias = [(f"{p}.router.weight", (args.num_experts, h))], args.add_bias_linear
     for j in range(args.num_experts // args.expert_model_parallel_size):
         e = f"{p}.experts.local_experts.{j}"
-        bias = args.add_bias_linear
         out += _linear(f"{e}.linear_fc1", glu * ffn // etp, h, glu * ffn // etp if bias else None)
         out += _linear(f"{e}.linear_fc2", h, ffn // etp, h if bias else None)
     shared = args.moe_shared_expert_intermediate_size

@@ -40,8 +40,9 @@ class ShardDomain:
     """Gathers and reductions over ``shard`` (then ``replica``)."""
 
     gradient_scaling_factor: float
-    """Applied to every gradient as it is packed for reduction: 1 / (shard x replica ranks), megatron
-    DDP's average; 1 with a per-token loss (megatron's finalize step divides by the token count)."""
+    """Applied to every gradient as it is packed for reduction: 1 / the data-parallel ranks (DP shard x
+    replica, for experts too), megatron DDP's average; 1 with a per-token loss (megatron's finalize
+    step divides by the token count)."""
 
     units: list = field(default_factory=list)
     """The wrapper's unit states in this domain, in model order (each one's ``domain`` is this)."""
@@ -64,16 +65,23 @@ class ShardDomain:
 
 
 def build_domain(
-    name: str, shard, replica, specs: list[UnitSpec], ddp_config, per_token: bool, agree_over=(), **comm_kwargs
+    name: str,
+    shard,
+    replica,
+    specs: list[UnitSpec],
+    ddp_config,
+    averaged_over: int | None,
+    agree_over=(),
+    **comm_kwargs,
 ) -> ShardDomain:
     """Plan ``specs`` over ``shard`` and check that every rank of ``shard`` and of each group in
     ``agree_over`` (a matrix's TP shards must share one owner) computed the same plan; then the
-    domain's comm (``comm_kwargs``: SegmentComm's verify, device, reduce_order) and scaling.
-    Collective over those groups."""
+    domain's comm (``comm_kwargs``: SegmentComm's verify, device, reduce_order) and scaling:
+    1 / ``averaged_over``, the data-parallel ranks the loss is averaged over (None: 1, a per-token
+    loss). Collective over those groups."""
     world = group_size(shard)
     plan = plan_units(specs, world, ddp_config.planner)
     for group in (shard, *agree_over):
         verify_plan_agreement(plan, group)
     comm = SegmentComm(shard=shard, replica=replica, **comm_kwargs)
-    scaling = 1.0 if per_token else 1.0 / (world * group_size(replica))
-    return ShardDomain(name, shard, replica, plan, comm, scaling)
+    return ShardDomain(name, shard, replica, plan, comm, 1.0 / (averaged_over or 1))

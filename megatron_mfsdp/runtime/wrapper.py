@@ -206,14 +206,12 @@ class MatrixFSDP(torch.nn.Module):
             None if expert else self.groups.replica,
             specs,
             self.ddp_config,
-            per_token=per_token,
+            averaged_over=None if per_token else self.groups.dp_shard_size * self.groups.replica_size,
             agree_over=(self.groups.expt_tp if expert else self.groups.tp,),  # TP shards share one owner
             verify=self.ddp_config.verify_collectives,
             device=self.device,
             reduce_order=self.ddp_config.reduce_order,
         )
-        if expert and not per_token:
-            domain.gradient_scaling_factor = 1.0 / (self.groups.dp_shard_size * self.groups.replica_size)
         domain.plan.element_size = torch.empty(0, dtype=self.param_dtype).element_size()
         return domain
 

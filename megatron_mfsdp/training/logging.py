@@ -103,12 +103,18 @@ def flops_per_iteration(args, batch_size: int, vocab_size: int) -> float:
     return batch_size * args.seq_length * per_token
 
 
-def moe_layer_count(args) -> int:
-    """How many layers are MoE layers (--moe-layer-freq: every N-th, or a 0/1 pattern); 0 for a dense model."""
-    if getattr(args, "num_experts", None) is None:
-        return 0
+def moe_layer_pattern(args) -> list[bool]:
+    """Which layers are MoE layers (--moe-layer-freq: every N-th from the first, or a 0/1 pattern, as
+    megatron-core's get_gpt_decoder_block_spec reads it); none for a dense model."""
+    if not getattr(args, "num_experts", None):
+        return [False] * args.num_layers
     freq = args.moe_layer_freq
-    return sum(freq) if isinstance(freq, list) else sum(1 for i in range(args.num_layers) if i % freq == 0)
+    return [bool(f) for f in freq] if isinstance(freq, list) else [i % freq == 0 for i in range(args.num_layers)]
+
+
+def moe_layer_count(args) -> int:
+    """How many layers are MoE layers; 0 for a dense model."""
+    return sum(moe_layer_pattern(args))
 
 
 def iteration_line(
