@@ -290,7 +290,12 @@ class _MatrixSteps:
         """duplicated: the whole matrix's direction, this rank's slice of it; distributed: the shards in place."""
         x, shard = (
             self._prepared(piece, hyper),
-            TpShard(piece.partition_dim, ctx.tp_group, piece.tp_size, piece.tp_rank),
+            TpShard(
+                piece.partition_dim,
+                ctx.tp_group if piece.tp_group is None else piece.tp_group,
+                piece.tp_size,
+                piece.tp_rank,
+            ),
         )
         split = self._split(piece.split_rows)
         if mode == "duplicated":

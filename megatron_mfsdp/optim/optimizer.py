@@ -173,9 +173,10 @@ class MatrixFSDPOptimizer(MegatronOptimizer):
         return list(members.values())
 
     def _add_pieces(self, config, chunk, param_groups) -> None:
-        tp_rank = group_rank(self.tp_group)
         for unit in chunk.units:
             shard_rank, primary_replica = unit.domain.dp_rank, unit.domain.replica_rank == 0  # its shard domain's
+            tp_group = unit.domain.tp  # TP for dense matrices, expert TP for experts
+            tp_rank = group_rank(tp_group)
             master = self._seed_master(unit, chunk)
             for piece in unit.pieces:
                 slot, param = piece.slot, unit.by_name[piece.slot.param_name]
@@ -183,7 +184,7 @@ class MatrixFSDPOptimizer(MegatronOptimizer):
                 seg = slice(piece.segment_offset, piece.segment_offset + piece.numel)
                 shape = slot.shape if rule.storage == WHOLE else (piece.numel,)
                 tp_split = bool(getattr(param, "tensor_model_parallel", False))
-                tp = (group_size(self.tp_group), tp_rank) if tp_split else (1, 0)
+                tp = (group_size(tp_group), tp_rank) if tp_split else (1, 0)
                 owned = OwnedPiece(
                     slot.name,
                     chunk.global_names[slot.param_name],
@@ -197,6 +198,7 @@ class MatrixFSDPOptimizer(MegatronOptimizer):
                     in_grad_norm=primary_replica and (tp_split or tp_rank == 0) and not getattr(param, "shared", False),
                     tp_size=tp[0],
                     tp_rank=tp[1],
+                    tp_group=tp_group if tp[0] > 1 else None,
                     state_over_tp=tp_split and tp[0] > 1 and rule.state_over_tp(config),
                     param_shape=tuple(slot.shape),
                     state_replica=_state_replica(unit.layout.param_bounds(slot), shard_rank),

@@ -35,6 +35,7 @@ class OwnedPiece:
     in_grad_norm: bool = True  # False for TP duplicates off TP rank 0, replicas, shared copies
     tp_size: int = 1  # size of the TP group the piece is split over (1 when not TP-sharded)
     tp_rank: int = 0
+    tp_group: object | None = None  # the group it is split over (dense TP, or expert TP for an expert)
     state_over_tp: bool = False  # its rule keeps state of the whole TP-split matrix, alike on every TP rank
     param_shape: tuple[int, ...] = ()  # the parameter's (TP-local) shape; a slice's master is 1D
     state_replica: int = 0  # >0 where another rank saves the same whole-matrix state (an even layout's copies)

@@ -33,6 +33,11 @@ class ShardDomain:
     replica: object | None
     """Ranks holding the same segments in other shard groups (hybrid sharding), else None."""
 
+    tp: object | None
+    """The tensor-parallel group the domain's matrices are split over: TP for dense ones, megatron-core's
+    expert TP for experts (None: not split). A matrix's TP shards share one owner, and the norm counts a
+    parameter that this group duplicates on its rank 0 only."""
+
     plan: Plan
     """The owner plan of the domain's units, equal on every rank of ``shard`` (and of its TP group)."""
 
@@ -71,17 +76,17 @@ def build_domain(
     specs: list[UnitSpec],
     ddp_config,
     averaged_over: int | None,
-    agree_over=(),
+    tp=None,
     **comm_kwargs,
 ) -> ShardDomain:
-    """Plan ``specs`` over ``shard`` and check that every rank of ``shard`` and of each group in
-    ``agree_over`` (a matrix's TP shards must share one owner) computed the same plan; then the
+    """Plan ``specs`` over ``shard`` and check that every rank of ``shard`` and of ``tp`` (a matrix's
+    TP shards must share one owner) computed the same plan; then the
     domain's comm (``comm_kwargs``: SegmentComm's verify, device, reduce_order) and scaling:
     1 / ``averaged_over``, the data-parallel ranks the loss is averaged over (None: 1, a per-token
     loss). Collective over those groups."""
     world = group_size(shard)
     plan = plan_units(specs, world, ddp_config.planner)
-    for group in (shard, *agree_over):
+    for group in (shard, tp):
         verify_plan_agreement(plan, group)
     comm = SegmentComm(shard=shard, replica=replica, **comm_kwargs)
-    return ShardDomain(name, shard, replica, plan, comm, 1.0 / (averaged_over or 1))
+    return ShardDomain(name, shard, replica, tp, plan, comm, 1.0 / (averaged_over or 1))

@@ -207,7 +207,7 @@ class MatrixFSDP(torch.nn.Module):
             specs,
             self.ddp_config,
             averaged_over=None if per_token else self.groups.dp_shard_size * self.groups.replica_size,
-            agree_over=(self.groups.expt_tp if expert else self.groups.tp,),  # TP shards share one owner
+            tp=self.groups.expt_tp if expert else self.groups.tp,
             verify=self.ddp_config.verify_collectives,
             device=self.device,
             reduce_order=self.ddp_config.reduce_order,

@@ -8,11 +8,14 @@ import torch
 VOCAB, SEQ, MBS = 96, 16, 2
 
 
-def init_megatron(tp: int = 1, pp: int = 1, vp: int | None = None, ep: int = 1) -> None:
-    """megatron's groups for TP x PP (x VP) x DP, with ``ep`` > 1 also the expert groups of EP x expert DP."""
+def init_megatron(tp: int = 1, pp: int = 1, vp: int | None = None, ep: int = 1, etp: int | None = None) -> None:
+    """megatron's groups for TP x PP (x VP) x DP, with ``ep`` > 1 also the expert groups of expert TP
+    (``etp``, by default TP) x EP x expert DP."""
     from ..groups import initialize_model_parallel
 
     expert = {"expert_model_parallel_size": ep} if ep > 1 else {}
+    if etp is not None and etp != tp:
+        expert["expert_tensor_parallel_size"] = etp
     initialize_model_parallel(tp, pp, vp, create_gloo_process_groups=False, **expert)  # fewer idle polling threads
 
 
@@ -75,6 +78,8 @@ def tiny_gpt(
             seed,
             parallel_state.get_tensor_model_parallel_rank(),
             parallel_state.get_tensor_model_parallel_world_size(),
+            parallel_state.get_expert_tensor_parallel_rank(),
+            parallel_state.get_expert_tensor_parallel_world_size(),
         )
     return config, model
 

@@ -124,10 +124,13 @@ def _pool_entry(rank, world_size, port, threads, tasks):
 
 
 def _collect(out_dir: str, world_size: int, what: str) -> list:
-    errors = sorted(f for f in os.listdir(out_dir) if f.startswith("error"))
-    if errors:
-        with open(os.path.join(out_dir, errors[0])) as f:
-            raise RuntimeError(f"worker failed ({errors[0]}):\n{f.read()}")
+    errors = {}
+    for name in sorted(f for f in os.listdir(out_dir) if f.startswith("error")):
+        with open(os.path.join(out_dir, name)) as f:
+            errors[name] = f.read()
+    if errors:  # the cause, not a peer's "Connection closed by peer" after the cause killed its rank
+        name = min(errors, key=lambda n: ("closed by peer" in errors[n] or "Connection reset" in errors[n], n))
+        raise RuntimeError(f"worker failed ({name}):\n{errors[name]}")
     missing = [r for r in range(world_size) if not os.path.exists(os.path.join(out_dir, f"result{r}.pt"))]
     if missing:
         raise RuntimeError(f"workers {missing} returned no result ({what})")

@@ -6,6 +6,8 @@ entries."""
 
 import re
 
+import pytest
+
 from tests.launch import TINY, losses, pretrain_in_workers, train_losses
 
 MOE = [
@@ -113,13 +115,23 @@ def test_matrix_fsdp_ep1_pretrain_at_dp2_tp2_pp2_matches_one_process(tmp_path):
         assert len(losses(two["stdout"])) == 5  # the iteration line still parses with the MoE entries
 
 
-def test_matrix_fsdp_ep2_pretrain_matches_one_process_and_resumes_at_ep1(tmp_path):
+@pytest.fixture(scope="module")
+def matrix_fsdp_one_rank(tmp_path_factory):
+    """The 1-rank --use-matrix-fsdp run of the MoE flags: the losses every expert-parallel layout must give."""
+    losses = train_losses(
+        pretrain_in_workers(1, *TINY, *MOE, "--use-matrix-fsdp", tmp_path=tmp_path_factory.mktemp("one"))
+    )
+    assert losses[-1] < losses[0] - 0.1, losses
+    return losses
+
+
+def test_matrix_fsdp_ep2_pretrain_matches_one_process_and_resumes_at_ep1(tmp_path, matrix_fsdp_one_rank):
     """--use-matrix-fsdp at EP 2 x expert DP 2 on 4 ranks (the expert domain): the 1-rank run's losses within
     1e-5; its checkpoint of iteration 3 (experts saved under megatron-core's keys with their global expert
     index, the routers' expert biases whole) resumed on 1 rank at EP 1 and on 4 ranks at EP 4 (one expert a
     rank, expert DP 1) gives the uninterrupted run's iterations 4-5."""
     flags = [*TINY, *MOE, "--use-matrix-fsdp"]
-    reference = train_losses(pretrain_in_workers(1, *flags, tmp_path=tmp_path))
+    reference = matrix_fsdp_one_rank
     save = tmp_path / "ckpt"
     ep2 = pretrain_in_workers(
         4, *flags, "--expert-model-parallel-size", "2", "--save", str(save), "--save-interval", "3",
@@ -134,3 +146,25 @@ def test_matrix_fsdp_ep2_pretrain_matches_one_process_and_resumes_at_ep1(tmp_pat
         moved = max(abs(a - b) for a, b in zip(resumed, reference[3:]))
         print(f"resumed on {nproc} rank(s) {layout}: {moved:.2e}")
         assert len(resumed) == 2 and moved <= 1e-5, (layout, resumed, reference[3:])
+
+
+def test_matrix_fsdp_tp2_ep2_pretrain_matches_one_process_and_resumes_at_tp1_ep1(tmp_path, matrix_fsdp_one_rank):
+    """--use-matrix-fsdp at TP 2 (sequence-parallel) x EP 2 with expert TP 1 on 4 ranks (dense DP 2, expert DP 2;
+    biases, which megatron-core allows at expert TP 1) and --muon-tp-mode duplicated (full-matrix Newton-Schulz,
+    the 1-rank numbers): the 1-rank run's losses within 1e-5; its checkpoint of iteration 3 (dense matrices in
+    TP halves, experts whole under their global expert index) resumed on 1 rank at TP 1 x EP 1 gives the
+    uninterrupted run's iterations 4-5."""
+    flags = [*TINY, *MOE, "--use-matrix-fsdp"]
+    layout = ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--expert-model-parallel-size", "2"]
+    layout += ["--expert-tensor-parallel-size", "1", "--muon-tp-mode", "duplicated"]
+    save = tmp_path / "ckpt"
+    four = pretrain_in_workers(
+        4, *flags, *layout, "--save", str(save), "--save-interval", "3", tmp_path=tmp_path, rank=None
+    )
+    worst = _close(train_losses(four[-1]), matrix_fsdp_one_rank)
+    assert "EP=2 (2 experts per rank) x expert TP=1 x expert DP=2" in four[0]["stdout"]
+    (save / "latest_checkpointed_iteration.txt").write_text("3")
+    resumed = train_losses(pretrain_in_workers(1, *flags, "--load", str(save), tmp_path=tmp_path))
+    moved = max(abs(a - b) for a, b in zip(resumed, matrix_fsdp_one_rank[3:]))
+    print(f"\nMatrixFSDP TP2 x EP2 (expert TP 1): {worst:.2e} against 1 rank; resumed at TP1 x EP1: {moved:.2e}")
+    assert len(resumed) == 2 and moved <= 1e-5, (resumed, matrix_fsdp_one_rank[3:])

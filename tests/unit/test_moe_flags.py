@@ -111,8 +111,8 @@ def test_moe_flags_reach_megatron_cores_transformer_config():
         ),
         (
             ["--expert-tensor-parallel-size", "2", "--use-matrix-fsdp", "--disable-bias-linear"],
-            "--expert-tensor-parallel-size 2 (not --tensor-model-parallel-size 1) with --use-matrix-fsdp: the "
-            "expert shard domain",
+            "--expert-tensor-parallel-size 2 (not --tensor-model-parallel-size 1) at --expert-model-parallel-size 1 "
+            "with --use-matrix-fsdp: experts get a shard domain of their own",
         ),
         (
             ["--moe-router-enable-expert-bias"],

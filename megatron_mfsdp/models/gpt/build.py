@@ -214,6 +214,7 @@ def build_gpt_model(
         )
     if config.num_moe_experts:
         moe.skip_single_rank_expert_reduce(model)
+        moe.unmark_expert_sequence_parallel(model)
     # Megatron-LM's Float16Module casts the whole model (norms included) to the
     # training dtype; MatrixFSDP keeps one dtype per chunk, so do the same here.
     if config.fp16:

@@ -90,21 +90,22 @@ def _check_layout(args) -> None:
 
 
 def _check_backend(args) -> None:
-    """Experts on MatrixFSDP: at EP 1 whole matrices of the dense shard domain; at EP above 1 whole
-    matrices of the expert domain, over megatron-core's expert-data-parallel group (runtime/wrapper.py),
-    built and tested at TP 1 only. An expert TP other than the dense TP has no domain yet."""
+    """Experts on MatrixFSDP: at EP 1 whole matrices of the dense shard domain (their TP group the dense
+    one); at EP above 1 whole (expert-TP-local) matrices of the expert domain, over megatron-core's
+    expert-data-parallel group at any TP and expert TP (runtime/wrapper.py), owner layout without
+    replicas."""
     ep, etp, tp = args.expert_model_parallel_size, args.expert_tensor_parallel_size, args.tensor_model_parallel_size
     if ep == 1 and etp == tp:
         return
-    if args.use_matrix_fsdp and etp == tp == 1:
+    from ..setup import MEGATRON_OPTIMIZERS
+
+    if args.use_matrix_fsdp and ep > 1:
         if getattr(args, "mfsdp_replicate_size", 1) > 1 or getattr(args, "mfsdp_layout", "owner") != "owner":
             _fail(
                 f"--expert-model-parallel-size {ep} with --mfsdp-replicate-size above 1 or --mfsdp-layout even: "
                 "the expert domain is built for owner sharding without replicas only"
             )
         return
-    from ..setup import MEGATRON_OPTIMIZERS
-
     if args.use_matrix_fsdp:
         how = "--use-matrix-fsdp"
     elif args.optimizer not in MEGATRON_OPTIMIZERS:
@@ -114,13 +115,15 @@ def _check_backend(args) -> None:
     flag = (
         f"--expert-model-parallel-size {ep}"
         if ep > 1
-        else f"--expert-tensor-parallel-size {etp} (not --tensor-model-parallel-size {tp})"
+        else f"--expert-tensor-parallel-size {etp} (not --tensor-model-parallel-size {tp}) at "
+        "--expert-model-parallel-size 1"
     )
     _fail(
-        f"{flag} with {how}: the expert shard domain (expert matrices on owners over the expert-data-parallel "
-        "group) is built for --use-matrix-fsdp at --tensor-model-parallel-size 1 and --expert-tensor-parallel-size 1 "
-        "only; experts run on MatrixFSDP there or at --expert-model-parallel-size 1 with the dense tensor "
-        "parallelism, or at any EP on megatron-core's DDP (--optimizer adam or sgd without --use-matrix-fsdp)"
+        f"{flag} with {how}: experts get a shard domain of their own (expert matrices on owners over the "
+        "expert-data-parallel group) with --use-matrix-fsdp at --expert-model-parallel-size above 1; at EP 1 "
+        "they are dense matrices and their tensor parallelism must be the dense one. Use EP above 1, "
+        "--expert-tensor-parallel-size equal to --tensor-model-parallel-size, or megatron-core's DDP "
+        "(--optimizer adam or sgd without --use-matrix-fsdp)"
     )
 
 
