@@ -41,17 +41,26 @@ non-elementwise state replicated there), from the same weights and reduced gradi
 the same state after a first untimed step (SOAP's first is its eigh); the median step ms of each,
 their ratio, and how far the batched weights end from the loop's (bitwise where the kernels allow).
 
+``--moe``: a small MoE GPT (``--moe-experts`` experts, top ``--moe-topk``) at EP ``--moe-ep`` on
+``--moe-world-size`` ranks through MatrixFSDP (dense matrices over DP, experts over expert DP): ours
+against the even layout with reconstruction (FSDP2-style, per domain over its group) and against a
+layer-wise full replica (Megatron-LM HEAD's LayerWiseDistributedOptimizer: each matrix stepped by one
+owner, then an all-gather of the updated tensors), from the same weights and reduced gradients: step ms
+(slowest rank, median), bytes held and sent (busiest rank), collectives, and that all three end equal.
+
 Run from the repository root:
 
     .venv/bin/python benchmarks/bench_optimizer_step.py            # W = 2 and 4
     .venv/bin/python benchmarks/bench_optimizer_step.py --quick    # CI smoke, < 60 s
     .venv/bin/python benchmarks/bench_optimizer_step.py --rules soap shampoo --skip-muon-baselines
     .venv/bin/python benchmarks/bench_optimizer_step.py --batched [--batched-count 64 --batched-shape 512 1408]
+    .venv/bin/python benchmarks/bench_optimizer_step.py --moe     # W = 4, EP 2
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import statistics
 import sys
@@ -280,6 +289,188 @@ def _worker(rank, world, a):
         "report": ddp.plan.report(),
         "recon_gather_buffer_max_bytes": max(4 * (-(-p.numel() // world)) * world for _, _, _, p, _ in matrices),
     }
+
+
+# --------------------------------------------------------------------------- MoE: owner vs even vs layer-wise
+MOE_METHODS = ("ours", "recon", "layerwise")
+
+
+class _Both:
+    """A baseline of each shard domain (dense over DP, experts over expert DP), stepped one after the other."""
+
+    def __init__(self, parts):
+        self.parts = parts
+
+    def step(self) -> float:
+        return math.sqrt(sum(p.step() ** 2 for p in self.parts))
+
+    def full_params(self):
+        return {k: v for p in self.parts for k, v in p.full_params().items()}
+
+    def local_bytes(self):
+        out = {}
+        for p in self.parts:
+            for k, v in p.local_bytes().items():
+                out[k] = out.get(k, 0) + v
+        return out
+
+
+def _moe_worker(rank, world, a):
+    """A small MoE GPT at EP ``moe_ep`` on ``world`` ranks through MatrixFSDP (dense domain over DP, expert
+    domain over expert DP); one real forward/backward; then timed steps of ours, the even layout with
+    reconstruction and a layer-wise full replica, from the same weights and reduced gradients."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_mfsdp import MatrixFSDP, MatrixFSDPConfig, get_megatron_optimizer
+    from megatron_mfsdp.compat.cpu import cuda_on_cpu
+    from megatron_mfsdp.groups import initialize_model_parallel
+    from megatron_mfsdp.models.gpt import build_gpt_model
+    from megatron_mfsdp.optim.optimizer import no_weight_decay
+    from megatron_mfsdp.testing import optimizer_config, tiny_gpt_config
+    from megatron_mfsdp.testing.baselines import LayerWiseMuon
+
+    initialize_model_parallel(1, 1, expert_model_parallel_size=a["moe_ep"], create_gloo_process_groups=False)
+    groups = {"dense": ps.get_data_parallel_group(), "expert": ps.get_expert_data_parallel_group()}
+    torch.manual_seed(a["seed"])
+    config = tiny_gpt_config(
+        num_layers=a["num_layers"],
+        hidden_size=a["hidden_size"],
+        ffn_hidden_size=a["ffn_hidden_size"],
+        num_attention_heads=a["num_attention_heads"],
+        num_query_groups=a["num_query_groups"],
+        num_moe_experts=a["moe_experts"],
+        moe_router_topk=a["moe_topk"],
+        moe_ffn_hidden_size=a["moe_ffn_hidden_size"],
+        expert_model_parallel_size=a["moe_ep"],
+        add_bias_linear=False,
+    )
+    model = build_gpt_model(config, vocab_size=a["vocab_size"], max_sequence_length=a["seq_length"])
+    ns = NewtonSchulzCost(a["ns_steps"], a["ns_dtype"], "auto", on_cpu=True)
+    ddp = MatrixFSDP(config, MatrixFSDPConfig(planner=a["planner"], rules=muon_rule_set(ns, a["split_qkv"])), model)
+    settings = {"muon_ns_dtype": a["ns_dtype"], "muon_coefficient_type": a["coefficients"]}
+    opt_cfg = optimizer_config(weight_decay=0.1, muon_split_qkv=a["split_qkv"], **settings)
+    opt = get_megatron_optimizer(opt_cfg, [ddp])
+    hyper = BaselineHyper(opt_cfg)
+    g = torch.Generator().manual_seed(1000 + rank)
+    tokens = torch.randint(0, a["vocab_size"], (a["micro_batch_size"], a["seq_length"]), generator=g)
+    opt.zero_grad()
+    with cuda_on_cpu():  # megatron-core's router moves its weight to torch.cuda.current_device()
+        ddp(tokens, torch.arange(a["seq_length"]).expand_as(tokens), None, labels=tokens).float().mean().backward()
+    ddp.finish_grad_sync()
+    saved = [state.grad_segment.clone() for state in ddp.units]
+    params, grads = _full_by_name(ddp, ddp.gathered("param")), _full_by_name(ddp, ddp.gathered("grad"))
+    split = {name: ([], []) for name in groups}  # domain -> (matrices, tail)
+    for state in ddp.units:
+        matrices, tail = split[state.domain.name]
+        for slot in state.layout.slots:
+            p, gr = params[slot.name], grads[slot.name]
+            if slot.rule == MATRIX:
+                matrices.append((slot.name, tuple(p.shape), slot.split_rows, p, gr))
+            else:
+                tail.append((slot.name, 0.0 if no_weight_decay(slot.name, p.shape) else hyper.wd, p, gr))
+    mine = {name: dist.get_rank(group) for name, group in groups.items()}
+    sizes = {name: dist.get_world_size(group) for name, group in groups.items()}
+    baselines = {
+        "recon": _Both(
+            [ReconstructionMuon(*split[d], hyper, groups[d], mine[d], sizes[d]) for d in groups if split[d][0]]
+        ),
+        "layerwise": _Both(
+            [LayerWiseMuon(*split[d], hyper, groups[d], mine[d], sizes[d]) for d in groups if split[d][0]]
+        ),
+    }
+
+    def run_ours():
+        for state, grad in zip(ddp.units, saved):
+            state.grad_segment.copy_(grad)
+        dist.barrier()
+        t0 = time.perf_counter()
+        assert opt.step()[0]
+        return time.perf_counter() - t0
+
+    def run_baseline(b):
+        def run():
+            dist.barrier()
+            t0 = time.perf_counter()
+            b.step()
+            return time.perf_counter() - t0
+
+        return run
+
+    runners = {"ours": run_ours} | {m: run_baseline(b) for m, b in baselines.items()}
+    times, calls = {m: [] for m in MOE_METHODS}, {}
+    for it in range(a["warmup"] + a["iters"]):
+        for m in MOE_METHODS:
+            if it == 0:
+                with count_collectives() as log:
+                    runners[m]()
+                calls[m] = log
+            else:
+                dt = runners[m]()
+                if it >= a["warmup"]:
+                    times[m].append(dt)
+    local = torch.tensor([times[m] for m in MOE_METHODS], dtype=torch.float64)
+    everyone = [torch.empty_like(local) for _ in range(world)]
+    dist.all_gather(everyone, local)
+    slowest = torch.stack(everyone).max(dim=0).values  # [method, iteration]: the slowest rank's step
+    ours_full = _full_by_name(ddp, ddp.gathered("param"))
+    diffs = {}
+    for m, b in baselines.items():
+        theirs = b.full_params()
+        diffs[m] = max((ours_full[n].reshape(-1) - t.reshape(-1)[: ours_full[n].numel()]).abs().max().item()
+                       for n, t in theirs.items())  # fmt: skip
+    held = {"ours": sum({**ddp.local_bytes(), **opt.local_bytes()}.values())}
+    held |= {m: sum(b.local_bytes().values()) for m, b in baselines.items()}
+    held_t = torch.tensor([held[m] for m in MOE_METHODS], dtype=torch.float64)
+    held_all = [torch.empty_like(held_t) for _ in range(world)]
+    dist.all_gather(held_all, held_t)
+    moved = torch.tensor([[sum(c.link[1] for c in calls[m]) for m in MOE_METHODS]], dtype=torch.float64)
+    moved_all = [torch.empty_like(moved) for _ in range(world)]
+    dist.all_gather(moved_all, moved)
+    return {
+        "W": world,
+        "threads": torch.get_num_threads(),
+        "ms": {m: 1e3 * statistics.median(slowest[i].tolist()) for i, m in enumerate(MOE_METHODS)},
+        "held": {m: int(torch.stack(held_all)[:, i].max()) for i, m in enumerate(MOE_METHODS)},
+        "moved": {m: int(torch.cat(moved_all)[:, i].max()) for i, m in enumerate(MOE_METHODS)},
+        "calls": {m: calls[m].summary() for m in MOE_METHODS},
+        "diffs": diffs,
+        "domains": {d: (len(split[d][0]), sizes[d]) for d in groups},
+        "expert_matrices_owned": sum(
+            1 for p in opt.owned_pieces() if p.rule == "muon" and ".experts." in p.global_name
+        ),
+    }
+
+
+def run_moe(args, worker_args) -> dict:
+    """The --moe table: owner against even-with-reconstruction and layer-wise on a small MoE."""
+    W = args.moe_world_size
+    a = worker_args | {k: getattr(args, k) for k in ("moe_ep", "moe_experts", "moe_topk", "moe_ffn_hidden_size")}
+    r = spawn(W, max(1, args.cpus // W), _moe_worker, a, timeout=args.timeout)
+    (dense, dp), (experts, edp) = r["domains"]["dense"], r["domains"]["expert"]
+    print(
+        f"\n=== MoE at W={W}: EP {args.moe_ep} x expert DP {edp} ({args.moe_experts} experts, top-{args.moe_topk}, "
+        f"expert FFN {args.moe_ffn_hidden_size}), dense DP {dp}; {dense} dense and {experts} expert Muon matrices "
+        f"on this EP rank; {r['threads']} thread(s) a rank ==="
+    )
+    print(f"{'method':<10} {'median ms':>10} {'x ours':>7} {'held MiB (max)':>15} {'sent MiB (max)':>15}  collectives")
+    for m in MOE_METHODS:
+        n, by_name = r["calls"][m]
+        detail = ", ".join(f"{k} x{c}" for k, (c, _) in sorted(by_name.items())) or "-"
+        print(
+            f"{m:<10} {r['ms'][m]:>10.1f} {r['ms'][m] / r['ms']['ours']:>7.2f} {r['held'][m] / 2**20:>15.2f} "
+            f"{r['moved'][m] / 2**20:>15.3f}  {n}: {detail}"
+        )
+    print("check: max |ours - baseline| after all steps: " + ", ".join(f"{m} {d:.2e}" for m, d in r["diffs"].items()))
+    print(
+        f"RESULT moe W={W} ep={args.moe_ep} ours_ms={r['ms']['ours']:.2f} recon_ms={r['ms']['recon']:.2f} "
+        f"layerwise_ms={r['ms']['layerwise']:.2f} recon_over_ours={r['ms']['recon'] / r['ms']['ours']:.3f} "
+        f"layerwise_over_ours={r['ms']['layerwise'] / r['ms']['ours']:.3f} "
+        + " ".join(f"{m}_collectives={r['calls'][m][0]}" for m in MOE_METHODS)
+        + " "
+        + " ".join(f"{m}_diff={d:.3e}" for m, d in r["diffs"].items())
+    )
+    sys.stdout.flush()
+    return r
 
 
 # --------------------------------------------------------------------------- every rule: owner vs even
@@ -648,6 +839,12 @@ def parse_args(argv=None):
     p.add_argument("--batched-repeats", type=int, default=3, help="timed steps each way (after an untimed one)")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="--batched: where the matrices live")
     p.add_argument("--batched-rules", nargs="*", choices=list(BATCHED_RULES), help="--batched: these rows only")
+    p.add_argument("--moe", action="store_true", help="only the MoE table: owner vs even vs layer-wise, both domains")
+    p.add_argument("--moe-world-size", type=int, default=4)
+    p.add_argument("--moe-ep", type=int, default=2, help="--moe: --expert-model-parallel-size")
+    p.add_argument("--moe-experts", type=int, default=8, help="--moe: --num-experts")
+    p.add_argument("--moe-topk", type=int, default=2, help="--moe: --moe-router-topk")
+    p.add_argument("--moe-ffn-hidden-size", type=int, default=512, help="--moe: --moe-ffn-hidden-size")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--timeout", type=float, default=1800, help="seconds per world size")
     p.add_argument("--quick", action="store_true", help="tiny config for a CI smoke run (< 60 s)")
@@ -703,6 +900,9 @@ def main(argv=None):
         f"all three include the AdamW tail and a global grad norm"
     )
     sys.stdout.flush()
+    if args.moe:
+        run_moe(args, worker_args)
+        return
     if not args.skip_muon_baselines:
         muon_baselines(args, worker_args)
     run_rules(args, worker_args)

@@ -13,6 +13,7 @@ parallelism (every rank owns everything and runs every update).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch.distributed as dist
@@ -68,6 +69,12 @@ class ProcessGroups:
     tp_ep_pp: object | None = None
     """Expert TP x EP x PP: the ranks that together hold one copy of the experts."""
 
+    expt_dp_shard: object | None = None
+    """The ranks of ``expt_dp`` among which expert owners are planned (all of it unless hybrid)."""
+
+    expt_replica: object | None = None
+    """Ranks of ``expt_dp`` holding the same expert segments in other shard groups (hybrid), else None."""
+
     @property
     def dp_shard_size(self) -> int:
         return group_size(self.dp_shard)
@@ -114,11 +121,18 @@ class ProcessGroups:
         run) plus the shard and replica groups of hybrid sharding. The expert groups are megatron-core
         0.16.1's (megatron/core/parallel_state.py: get_expert_model_parallel_group,
         get_expert_tensor_parallel_group, get_expert_data_parallel_group,
-        get_expert_tensor_model_pipeline_parallel_group), which it builds for every layout."""
+        get_expert_tensor_model_pipeline_parallel_group), which it builds for every layout. At EP above 1
+        (where experts have a shard domain of their own) the expert-DP group is split the same way into
+        gcd(``replicate_size``, expert DP) replicas: as many as the smaller group allows, so a run
+        replicated over DP is replicated over expert DP too."""
         from megatron.core import parallel_state as ps
 
         dp = ps.get_data_parallel_group()
         shard, replica = data_parallel_groups(dp, replicate_size)
+        ep, expt_dp = ps.get_expert_model_parallel_group(), ps.get_expert_data_parallel_group()
+        expt_shard, expt_replica = expt_dp, None
+        if group_size(ep) > 1:
+            expt_shard, expt_replica = data_parallel_groups(expt_dp, math.gcd(replicate_size, group_size(expt_dp)))
         pp = ps.get_pipeline_model_parallel_group()
         embedding = None
         if group_size(pp) > 1 and ps.is_rank_in_embedding_group():
@@ -131,10 +145,12 @@ class ProcessGroups:
             pp=pp,
             embedding=embedding,
             grad_stats=dist.group.WORLD,
-            ep=ps.get_expert_model_parallel_group(),
+            ep=ep,
             expt_tp=ps.get_expert_tensor_parallel_group(),
-            expt_dp=ps.get_expert_data_parallel_group(),
+            expt_dp=expt_dp,
             tp_ep_pp=ps.get_expert_tensor_model_pipeline_parallel_group(),
+            expt_dp_shard=expt_shard,
+            expt_replica=expt_replica,
         )
 
     @classmethod

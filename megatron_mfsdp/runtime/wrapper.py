@@ -183,17 +183,13 @@ class MatrixFSDP(torch.nn.Module):
     # ------------------------------------------------------------------ setup
     def _domain(self, name: str, specs: list[UnitSpec]) -> ShardDomain:
         """Dense parameters over the DP shard group (its replicas with --mfsdp-replicate-size), experts
-        over megatron-core's expert-data-parallel group, both averaged over DP like megatron-core's
-        DDP: without ``average_in_collective`` it scales dense and expert gradients alike by 1 / DP
-        (distributed/distributed_data_parallel.py at core_v0.16.1), an expert's gradient already
+        over megatron-core's expert-data-parallel group (split into replicas alike: groups.py), both
+        averaged over DP like megatron-core's DDP: without ``average_in_collective`` it scales dense
+        and expert gradients alike by 1 / DP (distributed/distributed_data_parallel.py at
+        core_v0.16.1), an expert's gradient already
         holding its EP peers' tokens. With a per-token loss the schedule's finalize step divides by the
         global token count instead (megatron's calculate_per_token_loss)."""
         expert = name == EXPERT
-        if expert and self.groups.replica is not None:
-            raise ValueError(
-                "--mfsdp-replicate-size above 1 with --expert-model-parallel-size above 1: hybrid sharding of the "
-                "expert domain is not built yet"
-            )
         if expert and self.ddp_config.layout != "owner":
             raise ValueError(
                 f"--mfsdp-layout {self.ddp_config.layout} with --expert-model-parallel-size above 1: the even "
@@ -202,8 +198,10 @@ class MatrixFSDP(torch.nn.Module):
         per_token = getattr(self.config, "calculate_per_token_loss", False)
         domain = build_domain(
             name,
-            self.groups.expt_dp if expert else self.groups.dp_shard,
-            None if expert else self.groups.replica,
+            (self.groups.expt_dp if self.groups.expt_dp_shard is None else self.groups.expt_dp_shard)
+            if expert
+            else self.groups.dp_shard,
+            self.groups.expt_replica if expert else self.groups.replica,
             specs,
             self.ddp_config,
             averaged_over=None if per_token else self.groups.dp_shard_size * self.groups.replica_size,

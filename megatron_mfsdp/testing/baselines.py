@@ -7,8 +7,10 @@ reconstruction   FSDP2-style ZeRO-3 Muon: every tensor is stored as even flat sh
                  (numel/W per rank, padded to a multiple of W); per step and matrix the
                  rank updates its momentum shard, all-gathers the full direction, runs
                  Newton-Schulz on every rank and keeps its slice of the update.
+layer-wise       Megatron-LM HEAD's LayerWiseDistributedOptimizer: full replicas, each
+                 matrix stepped by one owner, then an all-gather of the updated tensors.
 
-Both take ``matrices`` as (name, shape, split_rows, param, grad) and ``tail`` as
+All take ``matrices`` as (name, shape, split_rows, param, grad) and ``tail`` as
 (name, weight decay, param, grad), full tensors.
 """
 
@@ -195,3 +197,87 @@ class ReconstructionMuon:
 
     def local_bytes(self):
         return baseline_bytes(self.matrices, self.tail)
+
+
+def _lpt(costs: list[float], world: int) -> list[int]:
+    """Longest processing time first: each item (largest cost first) to the least-loaded rank."""
+    loads, owners = [0.0] * world, [0] * len(costs)
+    for i in sorted(range(len(costs)), key=lambda i: -costs[i]):
+        owners[i] = min(range(world), key=lambda r: loads[r])
+        loads[owners[i]] += costs[i]
+    return owners
+
+
+class LayerWiseMuon:
+    """Megatron-LM HEAD's LayerWiseDistributedOptimizer as a placement (optimizer/layer_wise_optimizer.py):
+    every rank keeps every full parameter and reduced gradient (ZeRO-1 memory); each matrix has one owner in
+    ``group``, balanced by Newton-Schulz cost (longest first, as its compute-balanced layout), and each tail
+    tensor one owner balanced by size; an owner alone holds its tensors' optimizer state and steps them;
+    then one all-gather of the owners' updated tensors (padded to the largest rank's) refreshes every
+    replica. The gradient norm sums the owned gradients over ``group``."""
+
+    def __init__(self, matrices, tail, h: BaselineHyper, group, rank, world):
+        self.h, self.group, self.rank, self.world = h, group, rank, world
+        self.step_count = 0
+        cost = [s[0] * s[1] * min(s[0], s[1]) for _, s, _, _, _ in matrices]
+        self.matrices = [
+            dict(name=n, shape=s, qkv=q, param=p.clone(), grad=g.clone(), owner=o)
+            for (n, s, q, p, g), o in zip(matrices, _lpt(cost, world))
+        ]
+        self.tail = [
+            dict(name=n, wd=wd, param=p.reshape(-1).clone(), grad=g.reshape(-1).clone(), owner=o)
+            for (n, wd, p, g), o in zip(tail, _lpt([p.numel() for _, _, p, _ in tail], world))
+        ]
+        for t in self.matrices:
+            if t["owner"] == rank:
+                t["buf"] = torch.zeros_like(t["param"])
+        for t in self.tail:
+            if t["owner"] == rank:
+                t["m"], t["v"] = torch.zeros_like(t["param"]), torch.zeros_like(t["param"])
+        loads = [0] * world
+        for t in self.matrices + self.tail:
+            loads[t["owner"]] += t["param"].numel()
+        self.per_rank = max(loads)
+
+    def _owned(self, ts, rank):
+        return [t for t in ts if t["owner"] == rank]
+
+    @torch.no_grad()
+    def step(self) -> float:
+        h = self.h
+        self.step_count += 1
+        mine = self._owned(self.matrices, self.rank)
+        sumsq = torch.zeros(1, dtype=torch.float64)
+        for t in mine + self._owned(self.tail, self.rank):
+            sumsq += t["grad"].double().square().sum()
+        dist.all_reduce(sumsq, group=self.group)
+        for t in mine:
+            muon.muon_step_(t["param"], t["grad"], t["buf"], h.muon, lr=h.lr, weight_decay=h.wd, split_rows=t["qkv"])
+        adamw_tail_(self._owned(self.tail, self.rank), h, self.step_count)
+        # The all-gather after the step: each rank's updated tensors, in model order, padded to one size.
+        send = torch.zeros(self.per_rank)
+        at = 0
+        for t in self._owned(self.matrices + self.tail, self.rank):
+            send[at : at + t["param"].numel()].copy_(t["param"].reshape(-1))
+            at += t["param"].numel()
+        full = torch.empty(self.per_rank * self.world)
+        all_gather_single(full, send, group=self.group)
+        for r in range(self.world):
+            at = r * self.per_rank
+            for t in self._owned(self.matrices + self.tail, r):
+                if r != self.rank:
+                    t["param"].reshape(-1).copy_(full[at : at + t["param"].numel()])
+                at += t["param"].numel()
+        return math.sqrt(sumsq.item())
+
+    def full_params(self):
+        return {t["name"]: t["param"] for t in self.matrices} | {t["name"]: t["param"] for t in self.tail}
+
+    def local_bytes(self):
+        ts = self.matrices + self.tail
+        return {
+            "params": sum(t["param"].nbytes for t in ts),
+            "grads": sum(t["grad"].nbytes for t in ts),
+            "masters": 0,
+            "optimizer_state": sum(t[k].nbytes for t in ts for k in ("buf", "m", "v") if k in t),
+        }

@@ -22,7 +22,7 @@ MOE = dict(
 
 
 def _moe_matrix_fsdp_worker(
-    rank, world_size, data_ranks: int, ep: int = 1, tp: int = 1, etp=None, mode="blockwise", bias=True
+    rank, world_size, data_ranks: int, ep: int = 1, tp: int = 1, etp=None, mode="blockwise", bias=True, replicas=1
 ):
     """STEPS steps of one global batch of ``data_ranks`` micro-batches (one per DP rank of the run this
     stands for), this DP rank's share of them; the full weights (TP shards joined over each parameter's
@@ -34,6 +34,7 @@ def _moe_matrix_fsdp_worker(
     from megatron_mfsdp import (
         MatrixFSDP,
         MatrixFSDPConfig,
+        ProcessGroups,
         configure_schedule,
         forward_backward,
         get_megatron_optimizer,
@@ -45,7 +46,7 @@ def _moe_matrix_fsdp_worker(
     parallel = dict(tensor_model_parallel_size=tp, sequence_parallel=tp > 1, expert_tensor_parallel_size=etp or tp)
     parallel["add_bias_linear"] = bias  # megatron-core: biases in MoE only at expert TP 1
     config, model = tiny_gpt(by_global_name=True, expert_model_parallel_size=ep, **parallel, **MOE)
-    ddp = MatrixFSDP(config, MatrixFSDPConfig(), model)
+    ddp = MatrixFSDP(config, MatrixFSDPConfig(), model, ProcessGroups.from_parallel_state(replicas))
     opt = get_megatron_optimizer(optimizer_config(muon_tp_mode=mode), [ddp])
     configure_schedule([ddp], opt)
     dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
@@ -85,6 +86,7 @@ def _moe_matrix_fsdp_worker(
         "step_calls": step_calls,
         "plan": [(slot.name, slot.rule, slot.storage, slot.owner) for u in ddp.plan.units for slot in u.slots],
         "domains": {name: [u.layout.name for u in d.units] for name, d in ddp.domains.items()},
+        "domain_sizes": {name: (d.dp_size, d.replica_size) for name, d in ddp.domains.items()},
         "stepped": sorted(o.global_name for o in opt.owned_pieces() if o.rule == "muon"),
         "stepped_tp": sorted((o.global_name, o.tp_rank) for o in opt.owned_pieces() if o.rule == "muon"),
         "bytes": {**ddp.local_bytes(), **opt.local_bytes()},
@@ -136,7 +138,13 @@ def test_matrix_fsdp_dp2_ep1_moe_roles_put_each_expert_and_the_router_on_one_own
     assert all(slots[n][:2] == (ELEMENTWISE, SLICE) for n in biases), [(n, slots[n]) for n in biases]
 
 
-def test_matrix_fsdp_ep2_dp2_experts_on_expert_dp_owners_match_one_process():
+@pytest.fixture(scope="module")
+def one4():
+    """One process running the four micro-batches of a 4-rank run at DP 4."""
+    return run_workers(1, _moe_matrix_fsdp_worker, 4)[0]
+
+
+def test_matrix_fsdp_ep2_dp2_experts_on_expert_dp_owners_match_one_process(one4):
     """4 ranks, EP 2: each rank holds 2 of the 4 experts, planned over its expert-data-parallel pair
     (the expert domain), the rest over all four DP ranks. Against one process running the four
     micro-batches (each expert's gradient there sums its tokens micro-batch by micro-batch, here both EP
@@ -146,7 +154,7 @@ def test_matrix_fsdp_ep2_dp2_experts_on_expert_dp_owners_match_one_process():
     gradient scale (expert gradients scaled by 1 / expert DP instead of 1 / DP: weights 2.7e-5 apart),
     the norm does not (0.23 apart)."""
     ep2 = run_workers(4, _moe_matrix_fsdp_worker, 4, 2)
-    one = run_workers(1, _moe_matrix_fsdp_worker, 4)[0]
+    one = one4
     assert one["losses"][-1] < one["losses"][0], one["losses"]
     for r in ep2:
         assert list(r["domains"]) == ["dense", "expert"] and len(r["domains"]["expert"]) == 2, r["domains"]
@@ -211,3 +219,26 @@ def test_matrix_fsdp_tp2_ep2_blockwise_step_moves_no_tensor():
     for r in got:
         assert all(calls == [("all_reduce", 2)] for calls in r["step_calls"]), r["step_calls"]
         assert r["losses"][-1] < r["losses"][0]
+
+
+@pytest.mark.parametrize(
+    "replicas,sizes", [(2, {"dense": (2, 2), "expert": (1, 2)}), (4, {"dense": (1, 4), "expert": (1, 2)})]
+)
+def test_matrix_fsdp_ep2_with_replicas_matches_one_process(replicas, sizes, one4):
+    """EP 2 on 4 ranks with --mfsdp-replicate-size 2, and 4 (every dense matrix replicated: the backend of
+    --optimizer muon without --use-matrix-fsdp): the expert-DP pair splits into gcd(replicas, 2) = 2 replicas
+    of one owner each, so each expert is stepped on both ranks of its pair. Against one process: losses within
+    1e-5, weights within 5e-5, the gradient norm within 1e-5 relative (each element counted once: replicas
+    past the first are left out); the step moves no tensor."""
+    got = run_workers(4, _moe_matrix_fsdp_worker, 4, 2, 1, None, "blockwise", True, replicas)
+    full = _joined(got)
+    worst = max((full[n] - ref).abs().max().item() for n, ref in one4["full"].items())
+    norms = max(abs(a / b - 1) for r in got for a, b in zip(r["norms"], one4["norms"]))
+    print(f"\nEP2 with {replicas} replicas against one process: weights {worst:.2e}, grad norm {norms:.2e}")
+    assert worst <= 5e-5 and norms <= 1e-5, (worst, norms)
+    for r in got:
+        assert r["domain_sizes"] == sizes, r["domain_sizes"]
+        torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(one4["losses"]), atol=1e-5, rtol=0)
+        assert all(calls == [("all_reduce", 2)] for calls in r["step_calls"]), r["step_calls"]
+    experts = sorted(n for n in one4["stepped"] if ".experts." in n)
+    assert sorted(n for r in got for n in r["stepped"] if ".experts." in n) == sorted(experts * 2)

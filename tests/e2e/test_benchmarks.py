@@ -43,6 +43,16 @@ def test_optimizer_step_benchmark_quick():
 RULE_LINE = re.compile(r"^RULE (optimizer=.*)$", re.M)
 
 
+def test_optimizer_step_benchmark_moe_quick():
+    """--moe at W = 4, EP 2: ours steps both domains with one scalar all-reduce; the even layout gathers each
+    matrix and the layer-wise replica all-gathers its updates; all three end with bitwise equal weights."""
+    out = _run("bench_optimizer_step.py", "--moe", "--quick")
+    result = dict(kv.split("=") for kv in re.search(r"^RESULT moe (.*)$", out, re.M).group(1).split())
+    assert result["ours_collectives"] == "1" and int(result["recon_collectives"]) > 4, result
+    assert int(result["layerwise_collectives"]) == 4, result  # per domain: the norm's all-reduce, one all-gather
+    assert float(result["recon_diff"]) == 0 and float(result["layerwise_diff"]) == 0, result
+
+
 def test_end_to_end_benchmark_quick():
     """ours, even (the paper's baseline) and plain DP on one tiny model: ours moves no tensor in
     its step and even does; ours and even give bitwise the same losses and hold the same state.

@@ -168,3 +168,12 @@ def test_matrix_fsdp_tp2_ep2_pretrain_matches_one_process_and_resumes_at_tp1_ep1
     moved = max(abs(a - b) for a, b in zip(resumed, matrix_fsdp_one_rank[3:]))
     print(f"\nMatrixFSDP TP2 x EP2 (expert TP 1): {worst:.2e} against 1 rank; resumed at TP1 x EP1: {moved:.2e}")
     assert len(resumed) == 2 and moved <= 1e-5, (resumed, matrix_fsdp_one_rank[3:])
+
+
+def test_replicated_muon_at_ep2_matches_one_process(tmp_path, matrix_fsdp_one_rank):
+    """--optimizer muon without --use-matrix-fsdp (Megatron-LM's Muon configs: every matrix replicated over DP,
+    stepped on every rank) at EP 2 on 4 ranks: the expert domain has 2 replicas of one owner each; the 1-rank
+    run's losses within 1e-5."""
+    four = pretrain_in_workers(4, *TINY, *MOE, "--expert-model-parallel-size", "2", tmp_path=tmp_path)
+    worst = _close(train_losses(four), matrix_fsdp_one_rank)
+    print(f"\nreplicated Muon at EP 2: max lm loss delta vs 1 rank = {worst:.2e}")

@@ -1,12 +1,13 @@
-"""Megatron-LM's GPT functional-test configs parse, or each is refused naming a feature megatron-mfsdp lacks.
+"""Megatron-LM's GPT and MoE functional-test configs parse, or each is refused naming a feature megatron-mfsdp
+lacks.
 
-The configs are tests/megatron_lm_gpt_configs.json: the ``MODEL_ARGS`` of every
-tests/functional_tests/test_cases/gpt/*/model_config.yaml of Megatron-LM at the commit it names, turned into
-a command line as Megatron-LM's launcher does (tests/functional_tests/shell_test_utils/_run_training.sh:
-``true`` is the bare switch, ``[a b]`` gives two words, other values one word, in the file's order, with
-``<<`` merges inlined). Regenerate it with
+The configs are tests/megatron_lm_gpt_configs.json and tests/megatron_lm_moe_configs.json: the ``MODEL_ARGS``
+of every tests/functional_tests/test_cases/gpt/*/model_config.yaml (and moe/*/, mixtral/*/) of Megatron-LM at
+the commit each names, turned into a command line as Megatron-LM's launcher does
+(tests/functional_tests/shell_test_utils/_run_training.sh: ``true`` is the bare switch, ``[a b]`` gives two
+words, other values one word, in the file's order, with ``<<`` merges inlined). Regenerate them with
 
-    python tests/unit/test_megatron_gpt_configs.py --git /path/to/Megatron-LM[.git] --rev HEAD
+    python tests/unit/test_megatron_gpt_configs.py --git /path/to/Megatron-LM[.git] --rev HEAD [--family moe]
 
 A refusal that does not name one of ``LACKING`` (an unknown flag, a bad value, a flag we should implement
 or notice) fails the test: fix it in megatron_mfsdp/training/arguments/, never here.
@@ -32,8 +33,20 @@ import types
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-DATA = ROOT / "tests" / "megatron_lm_gpt_configs.json"
-SOURCE = "tests/functional_tests/test_cases/gpt/*/model_config.yaml MODEL_ARGS"
+FAMILIES = {  # family -> (its list, the test_cases folders it holds)
+    "gpt": (ROOT / "tests" / "megatron_lm_gpt_configs.json", ("gpt",)),
+    "moe": (ROOT / "tests" / "megatron_lm_moe_configs.json", ("moe", "mixtral")),
+}
+DATA = FAMILIES["gpt"][0]
+
+
+def _source(family: str) -> str:
+    return " ".join(f"tests/functional_tests/test_cases/{f}/*/model_config.yaml" for f in FAMILIES[family][1]) + (
+        " MODEL_ARGS"
+    )
+
+
+SOURCE = _source("gpt")
 
 
 # What megatron-mfsdp does not have, as its refusals name it: every refused config's error must name one.
@@ -53,13 +66,19 @@ LACKING = {
     "muP": ("muP",),
     "FIM datasets": ("FIM datasets",),
     "CUDA graphs": ("CUDA graphs",),
+    "custom pipeline layouts": ("custom pipeline layouts",),
+    "activation offloading": ("activation offloading",),
+    "inference-only kernels": ("inference-only kernels",),
+    "Megatron-LM HEAD's layer-wise distributed optimizer": ("layer-wise distributed optimizer",),
+    "position embeddings other than RoPE and learned": ("position embeddings are not supported",),
 }
 ERROR = re.compile(r"^pretrain_gpt\.py: error: (--[\w-]+\b.*)$", re.M)
 SIZES = ("--tensor-model-parallel-size", "--pipeline-model-parallel-size", "--context-parallel-size")
+EXPERT_SIZES = ("--expert-model-parallel-size", "--pipeline-model-parallel-size")
 
 
-def _configs() -> dict:
-    return json.loads(DATA.read_text())
+def _configs(family: str = "gpt") -> dict:
+    return json.loads(FAMILIES[family][0].read_text())
 
 
 def _indexed_dataset(prefix: pathlib.Path) -> None:
@@ -96,15 +115,24 @@ def _value(argv: list, flag: str) -> str | None:
     return argv[argv.index(flag) + 1] if flag in argv else None
 
 
-@pytest.fixture(scope="module")
-def command_lines(tmp_path_factory) -> dict:
-    """Each config's command line with its placeholders pointed at real files in one folder, and its world
-    size: TP x PP x CP (data-parallel size 1, so every batch size divides). Megatron-LM's CI sets $REPEAT
-    (the --seed of one config) to the run's number and $DATA_BLEND to a data prefix."""
-    folder = tmp_path_factory.mktemp("megatron_lm_gpt_configs")
+def _world(argv: list) -> int:
+    """TP x PP x CP (data-parallel size 1, so every batch size divides), or with experts the least world that
+    EP x expert TP (default TP) x PP also tiles, as megatron-core's groups need."""
+    dense = math.prod(int(_value(argv, flag) or 1) for flag in SIZES)
+    etp = _value(argv, "--expert-tensor-parallel-size") or _value(argv, "--tensor-model-parallel-size") or 1
+    return math.lcm(dense, int(etp) * math.prod(int(_value(argv, flag) or 1) for flag in EXPERT_SIZES))
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def command_lines(request, tmp_path_factory) -> tuple[str, dict]:
+    """A family's name and each config's command line with its placeholders pointed at real files in one
+    folder, and its world size (:func:`_world`). Megatron-LM's CI sets $REPEAT (the --seed of one config) to
+    the run's number and $DATA_BLEND to a data prefix."""
+    family = request.param
+    folder = tmp_path_factory.mktemp(f"megatron_lm_{family}_configs")
     values = {"REPEAT": "1", "DATA_BLEND": str(folder / "DATA_BLEND")}
     out = {}
-    for name, config in _configs()["configs"].items():
+    for name, config in _configs(family)["configs"].items():
         argv = [
             re.sub(r"\$\{?(\w+)\}?", lambda m: values.get(m.group(1), str(folder / m.group(1))), word)
             for word in config
@@ -113,9 +141,8 @@ def command_lines(tmp_path_factory) -> dict:
             made = word in ("--data-path", "--vocab-file", "--merge-file", "--tokenizer-model")
             if made and argv[i + 1].startswith(str(folder)):  # a placeholder's path: nothing lands elsewhere
                 _make(word, argv[i + 1], _value(argv, "--tokenizer-type"))
-        world = math.prod(int(_value(argv, flag) or 1) for flag in SIZES)
-        out[name] = (argv, world)
-    return out
+        out[name] = (argv, _world(argv))
+    return family, out
 
 
 def _outcome(argv: list, world: int) -> tuple:
@@ -144,7 +171,8 @@ def test_each_config_parses_or_is_refused_naming_a_feature_megatron_mfsdp_lacks(
     too); Megatron-LM's CI has it, so where it is not installed an empty module stands in."""
     if importlib.util.find_spec("wandb") is None:
         monkeypatch.setitem(sys.modules, "wandb", types.ModuleType("wandb"))
-    data = _configs()
+    family, command_lines = command_lines
+    data = _configs(family)
     outcomes = {name: _outcome(argv, world) for name, (argv, world) in command_lines.items()}
     parsed = [name for name, o in outcomes.items() if o[0] == "parses"]
     refused = {name: o for name, o in outcomes.items() if o[0] == "refused"}
@@ -152,8 +180,8 @@ def test_each_config_parses_or_is_refused_naming_a_feature_megatron_mfsdp_lacks(
     assert not wrong, f"refused without naming a feature megatron-mfsdp lacks (fix the argument layer): {wrong}"
     features = collections.Counter(_feature(o[2]) for o in refused.values())
     print(
-        f"Megatron-LM GPT functional-test configs at {data['commit']}: {len(parsed)} parse, {len(refused)} refused "
-        f"naming a lacking feature: {dict(features.most_common())}"
+        f"\nMegatron-LM {family} functional-test configs at {data['commit']}: {len(parsed)} parse, "
+        f"{len(refused)} refused naming a lacking feature: {dict(features.most_common())}"
     )
     assert len(parsed) + len(refused) == len(data["configs"]) == len(command_lines)
     assert parsed and refused
@@ -176,9 +204,11 @@ def test_a_flag_of_megatron_lms_inference_scripts_is_refused_naming_the_inferenc
 
 
 def test_the_config_list_is_megatron_lms_at_a_named_commit():
-    data = _configs()
+    data, moe = _configs(), _configs("moe")
     assert re.fullmatch(r"[0-9a-f]{40}", data["commit"]) and data["source"] == SOURCE
-    assert len(data["configs"]) + len(data["empty"]) > 200
+    assert moe["commit"] == data["commit"] and moe["source"] == _source("moe")
+    assert len(data["configs"]) + len(data["empty"]) > 200 and len(moe["configs"]) + len(moe["empty"]) > 60
+    assert all("--num-experts" in argv for argv in moe["configs"].values() if "--spec" not in argv)
     tp2_pp2 = data["configs"]["gpt3_mcore_te_tp2_pp2"]
     assert tp2_pp2[:4] == ["--num-layers", "12", "--hidden-size", "512"]
     assert tp2_pp2[tp2_pp2.index("--lr-warmup-fraction") + 1] == ".01"  # the YAML text, not a float's repr
@@ -261,14 +291,19 @@ def _git(git: str, *args) -> str:
     return subprocess.run(["git", "-C", git, *args], capture_output=True, text=True, check=True).stdout
 
 
-def regenerate(git: str, rev: str) -> None:
-    """Write DATA from the configs of ``rev`` of the Megatron-LM repository ``git``."""
+def regenerate(git: str, rev: str, family: str = "gpt") -> None:
+    """Write the family's list from the configs of ``rev`` of the Megatron-LM repository ``git``."""
     commit = _git(git, "rev-parse", rev).strip()
-    folder = "tests/functional_tests/test_cases/gpt/"
-    paths = [p for p in _git(git, "ls-tree", "-r", "--name-only", commit, folder).split() if p.count("/") == 5]
+    target, folders = FAMILIES[family]
+    paths = []
+    for folder in folders:
+        listed = _git(git, "ls-tree", "-r", "--name-only", commit, f"tests/functional_tests/test_cases/{folder}/")
+        paths += [p for p in listed.split() if p.count("/") == 5]
     configs, empty = {}, []
     for path in sorted(p for p in paths if p.endswith("/model_config.yaml")):
         name = path.split("/")[-2]
+        if name in configs or name in empty:
+            raise ValueError(f"{path}: a second config named {name}")
         argv = model_args(_git(git, "show", f"{commit}:{path}"))
         if argv is None:
             empty.append(name)
@@ -276,24 +311,25 @@ def regenerate(git: str, rev: str) -> None:
             configs[name] = argv
     data = {
         "commit": commit,
-        "source": SOURCE,
+        "source": _source(family),
         "note": "Each config's MODEL_ARGS as Megatron-LM's launcher (tests/functional_tests/shell_test_utils/"
         "_run_training.sh) passes them, in order: true gives the bare switch, a false-valued switch is dropped "
         "(the launcher would pass the word false), [a b] gives two words, ${VAR} placeholders are kept. "
         "'empty' lists the configs whose MODEL_ARGS is empty (their test runs a script of its own). "
-        "Generated by tests/unit/test_megatron_gpt_configs.py --git MEGATRON_LM --rev REV.",
+        f"Generated by tests/unit/test_megatron_gpt_configs.py --git MEGATRON_LM --rev REV --family {family}.",
         "empty": empty,
         "configs": configs,
     }
     head = json.dumps({k: v for k, v in data.items() if k != "configs"}, indent=1).removesuffix("\n}")
     lines = [f"  {json.dumps(name)}: {json.dumps(argv)}" for name, argv in configs.items()]  # one line each
-    DATA.write_text(head + ',\n "configs": {\n' + ",\n".join(lines) + "\n }\n}\n")
-    print(f"{DATA.relative_to(ROOT)}: {len(configs)} configs (+{len(empty)} empty) at {commit}")
+    target.write_text(head + ',\n "configs": {\n' + ",\n".join(lines) + "\n }\n}\n")
+    print(f"{target.relative_to(ROOT)}: {len(configs)} configs (+{len(empty)} empty) at {commit}")
 
 
 if __name__ == "__main__":
     cli = argparse.ArgumentParser(description="Regenerate the Megatron-LM GPT config list (see the docstring).")
     cli.add_argument("--git", required=True, help="a Megatron-LM checkout or bare repository")
     cli.add_argument("--rev", default="HEAD")
+    cli.add_argument("--family", default="gpt", choices=list(FAMILIES))
     options = cli.parse_args()
-    regenerate(os.path.abspath(options.git), options.rev)
+    regenerate(os.path.abspath(options.git), options.rev, options.family)

@@ -101,13 +101,9 @@ def test_moe_flags_reach_megatron_cores_transformer_config():
             "concatenates the local experts in one 2D tensor, so a matrix optimizer cannot treat each expert",
         ),
         (
-            ["--expert-model-parallel-size", "2", "--use-matrix-fsdp", "--mfsdp-replicate-size", "2"],
-            "--expert-model-parallel-size 2 with --mfsdp-replicate-size above 1 or --mfsdp-layout even: the "
-            "expert domain is built for owner sharding without replicas only",
-        ),
-        (
-            ["--expert-model-parallel-size", "2"],
-            "--expert-model-parallel-size 2 with --optimizer muon without --use-matrix-fsdp (MatrixFSDP replicated",
+            ["--expert-model-parallel-size", "2", "--use-matrix-fsdp", "--mfsdp-layout", "even"],
+            "--expert-model-parallel-size 2 with --mfsdp-layout even: the expert domain is built for the owner "
+            "layout only",
         ),
         (
             ["--expert-tensor-parallel-size", "2", "--use-matrix-fsdp", "--disable-bias-linear"],

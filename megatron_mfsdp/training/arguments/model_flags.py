@@ -23,7 +23,7 @@ def _add_position_args(g) -> None:
     g.add_argument(
         "--position-embedding-type",
         default="learned_absolute",
-        choices=["learned_absolute", "rope", "mrope", "relative", "none"],
+        choices=["learned_absolute", "rope", "yarn", "mrope", "relative", "none"],  # Megatron-LM HEAD's
     )
     g.add_argument(
         "--use-rotary-position-embeddings", action="store_true", help="deprecated: --position-embedding-type rope"

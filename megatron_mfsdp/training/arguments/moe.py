@@ -90,39 +90,35 @@ def _check_layout(args) -> None:
 
 
 def _check_backend(args) -> None:
-    """Experts on MatrixFSDP: at EP 1 whole matrices of the dense shard domain (their TP group the dense
-    one); at EP above 1 whole (expert-TP-local) matrices of the expert domain, over megatron-core's
-    expert-data-parallel group at any TP and expert TP (runtime/wrapper.py), owner layout without
-    replicas."""
+    """Experts on MatrixFSDP (and on its replicated backend, --optimizer muon and the other rules without
+    --use-matrix-fsdp): at EP 1 whole matrices of the dense shard domain (their TP group the dense one); at
+    EP above 1 whole (expert-TP-local) matrices of the expert domain, over megatron-core's
+    expert-data-parallel group at any TP and expert TP (runtime/wrapper.py), owner layout only."""
     ep, etp, tp = args.expert_model_parallel_size, args.expert_tensor_parallel_size, args.tensor_model_parallel_size
     if ep == 1 and etp == tp:
         return
     from ..setup import MEGATRON_OPTIMIZERS
 
-    if args.use_matrix_fsdp and ep > 1:
-        if getattr(args, "mfsdp_replicate_size", 1) > 1 or getattr(args, "mfsdp_layout", "owner") != "owner":
+    if ep > 1 and (args.use_matrix_fsdp or args.optimizer not in MEGATRON_OPTIMIZERS):
+        if getattr(args, "mfsdp_layout", "owner") != "owner":
             _fail(
-                f"--expert-model-parallel-size {ep} with --mfsdp-replicate-size above 1 or --mfsdp-layout even: "
-                "the expert domain is built for owner sharding without replicas only"
+                f"--expert-model-parallel-size {ep} with --mfsdp-layout {args.mfsdp_layout}: the expert domain is "
+                "built for the owner layout only (the even layout's rebuild of expert matrices over expert data "
+                "parallelism is not built yet)"
             )
-        return
+        return  # the expert domain, with gcd(--mfsdp-replicate-size, expert DP) replicas (groups.py)
     if args.use_matrix_fsdp:
         how = "--use-matrix-fsdp"
     elif args.optimizer not in MEGATRON_OPTIMIZERS:
         how = f"--optimizer {args.optimizer} without --use-matrix-fsdp (MatrixFSDP replicated over data parallelism)"
     else:
         return  # megatron-core's DDP and optimizer: expert gradients over the expert-data-parallel group
-    flag = (
-        f"--expert-model-parallel-size {ep}"
-        if ep > 1
-        else f"--expert-tensor-parallel-size {etp} (not --tensor-model-parallel-size {tp}) at "
-        "--expert-model-parallel-size 1"
-    )
     _fail(
-        f"{flag} with {how}: experts get a shard domain of their own (expert matrices on owners over the "
-        "expert-data-parallel group) with --use-matrix-fsdp at --expert-model-parallel-size above 1; at EP 1 "
-        "they are dense matrices and their tensor parallelism must be the dense one. Use EP above 1, "
-        "--expert-tensor-parallel-size equal to --tensor-model-parallel-size, or megatron-core's DDP "
+        f"--expert-tensor-parallel-size {etp} (not --tensor-model-parallel-size {tp}) at --expert-model-parallel-size "
+        f"1 with {how}: experts get a shard domain of their own (expert matrices on owners over the "
+        "expert-data-parallel group) at --expert-model-parallel-size above 1; at EP 1 they are dense matrices and "
+        "their tensor parallelism must be the dense one. Use EP above 1, --expert-tensor-parallel-size equal to "
+        "--tensor-model-parallel-size, or megatron-core's DDP "
         "(--optimizer adam or sgd without --use-matrix-fsdp)"
     )
 

@@ -123,8 +123,12 @@ def validate_model(args) -> None:
 def _validate_model_kinds(args) -> None:
     if args.use_rotary_position_embeddings:
         args.position_embedding_type = "rope"
-    if args.position_embedding_type in ("mrope", "relative"):
-        _fail(f"--position-embedding-type {args.position_embedding_type} is not supported by megatron-mfsdp yet")
+    kinds = {"yarn": "YaRN", "mrope": "multimodal RoPE", "relative": "relative"}
+    if args.position_embedding_type in kinds:
+        _fail(
+            f"--position-embedding-type {args.position_embedding_type}: {kinds[args.position_embedding_type]} "
+            "position embeddings are not supported by megatron-mfsdp yet"
+        )
     if not args.add_position_embedding and args.position_embedding_type != "rope":
         _fail("--no-position-embedding is deprecated: use --position-embedding-type (rope or none)")
     activations = [
@@ -560,8 +564,9 @@ def validate_optimizer(args) -> None:
     elif args.optimizer not in MEGATRON_OPTIMIZERS and (args.use_distributed_optimizer or args.overlap_param_gather):
         _fail(
             f"--optimizer {args.optimizer} with --use-distributed-optimizer or --overlap-param-gather needs "
-            "--use-matrix-fsdp (megatron-core 0.16.1's own optimizer runs adam and sgd only; without "
-            "--use-matrix-fsdp every rank would hold all optimizer state)"
+            "--use-matrix-fsdp (megatron-core 0.16.1's own optimizer runs adam and sgd only, and Megatron-LM "
+            "HEAD's layer-wise distributed optimizer for Muon is not built here; without --use-matrix-fsdp every "
+            "rank would hold all optimizer state, with it each matrix's state is on its owner)"
         )
     elif args.overlap_param_gather and not args.use_distributed_optimizer:
         _fail("--overlap-param-gather needs --use-distributed-optimizer (as Megatron-LM)")
