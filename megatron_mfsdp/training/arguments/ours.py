@@ -172,7 +172,8 @@ def _add_placement_args(g) -> None:
         "--mfsdp-replicate-size",
         type=positive_int,
         default=1,
-        help="hybrid sharding: owners within groups of DP/R ranks, R replicas across them",
+        help="hybrid sharding: owners within groups of DP/R ranks, R replicas across them; at EP above 1 the "
+        "expert-DP group gets gcd(R, expert DP) replicas",
     )
     g.add_argument(
         "--mfsdp-param-rule",
