@@ -13,10 +13,13 @@ command line can be pasted as it is) plus --data-parallel-size, e.g. Llama-3-70B
 
 It prints the plan table training prints at start-up (owned bytes and Newton-Schulz flops per
 DP rank, the max/mean line) and the lower bounds on max/mean that no owner assignment can
-beat. With --traffic it also drives units of the plan through every DP rank's own
-SegmentComm in this one process (torch's fake process-group backend, shapes only:
-megatron_mfsdp/runtime/at_scale.py) and prints per unit the calls of a gather and a
-reduction, the busiest rank's bytes against ZeRO-3's bytes per rank, and the largest buffer.
+beat; at --expert-model-parallel-size above 1 the expert domain's plan follows (the experts
+planned over expert DP = world / (EP x expert TP), as the runtime shards them). With --traffic
+it also drives units of the plan through every DP rank's own SegmentComm in this one process
+(torch's fake process-group backend, shapes only: megatron_mfsdp/runtime/at_scale.py) and
+prints per unit the calls of a gather and a reduction, the busiest rank's bytes against
+ZeRO-3's bytes per rank, and the largest buffer; then the same table for the expert domain's
+units over the expert-DP ranks (its RESULT line tagged domain=expert).
 Owners are planned over DP / --mfsdp-replicate-size ranks, as at start-up. Parameter shapes are
 megatron-core's TP-local ones (local layer spec, one pipeline stage), computed from the flags
 rather than built, so any TP size plans in one process; tests/unit/test_planner_search.py checks
@@ -126,14 +129,16 @@ def get_parser() -> argparse.ArgumentParser:
         "--traffic",
         action="store_true",
         help="drive units of the plan through every DP rank's SegmentComm (fake process groups, shapes only) and "
-        "print calls, the busiest rank's bytes against ZeRO-3's and the largest buffer per unit",
+        "print calls, the busiest rank's bytes against ZeRO-3's and the largest buffer per unit; at EP above 1 "
+        "then the expert domain's units over the expert-DP ranks (RESULT line tagged domain=expert)",
     )
     g.add_argument(
         "--traffic-units",
         type=int,
         default=6,
         metavar="N",
-        help="with --traffic: the first N - 1 units of the plan (embedding units, then layers) and the last; 0: all",
+        help="with --traffic: the first N - 1 units of each domain's plan (dense: embedding units, then layers; "
+        "expert: MoE layers) and the last; 0: all",
     )
     return p
 
@@ -280,9 +285,11 @@ def report(args, specs, plan, domain: str = "dense") -> str:
     )
 
 
-def traffic(args, plan) -> tuple[str, list]:
-    """The --traffic table: units of the plan through every DP rank's SegmentComm on the fake backend,
-    in the reduce order a GPU cluster runs (--mfsdp-reduce-order, auto: ring on NCCL)."""
+def traffic(args, plan, domain: str = "dense") -> tuple[str, list]:
+    """The --traffic table of one shard domain: units of its plan through every rank's SegmentComm on the
+    fake backend (the DP ranks for "dense", the expert-DP ranks for "expert": one domain's collectives
+    run over its own shard group, with the same comm), in the reduce order a GPU cluster runs
+    (--mfsdp-reduce-order, auto: ring on NCCL)."""
     import torch
 
     from megatron_mfsdp.runtime.at_scale import simulate
@@ -294,13 +301,16 @@ def traffic(args, plan) -> tuple[str, list]:
     param = {2: torch.bfloat16, 4: torch.float32}[plan.element_size]
     grad = param if (args.bf16 or args.fp16) and args.grad_reduce_in_bf16 else torch.float32
     rows = simulate(plan, units, param, grad, order)
-    return traffic_table(rows, plan.world_size, order, (param, grad), count), rows
+    return traffic_table(rows, plan.world_size, order, (param, grad), count, domain), rows
 
 
-def traffic_table(rows, w: int, order: str, dtypes, count: int) -> str:
+def traffic_table(rows, w: int, order: str, dtypes, count: int, domain: str = "dense") -> str:
+    """The table and its RESULT line; the expert domain's are marked as such (``domain=expert`` in the
+    RESULT line, after ``traffic``), the dense domain's are as they were before experts had one."""
     param, grad = dtypes
+    where, tag = ("DP", "") if domain == "dense" else (f"{domain} DP", f"domain={domain} ")
     lines = [
-        f"traffic at DP {w} (every rank's SegmentComm on fake process groups; reduce order {order}; gather in "
+        f"traffic at {where} {w} (every rank's SegmentComm on fake process groups; reduce order {order}; gather in "
         f"{str(param)[6:]}, reduction in {str(grad)[6:]}), {len(rows)} of {count} units; busiest = the largest of any "
         f"rank's bytes in or out; ZeRO-3's per rank is (W - 1) / W of a unit, so one unit is {w / (w - 1):.3f}x; "
         f"buffer = the largest buffer any rank allocated, over the unit's gradient bytes",
@@ -318,7 +328,7 @@ def traffic_table(rows, w: int, order: str, dtypes, count: int) -> str:
     calls = max(max(r.gather_calls, r.reduce_calls) for r in rows)
     transient = max(r.transient / (r.numel * grad.itemsize) for r in rows)
     lines.append(
-        f"RESULT traffic dp={w} order={order} units={len(rows)} max_gather_over_zero3={gather:.3f} "
+        f"RESULT traffic {tag}dp={w} order={order} units={len(rows)} max_gather_over_zero3={gather:.3f} "
         f"max_reduce_over_zero3={reduce:.3f} max_calls_per_op={calls} max_transient_over_unit={transient:.4f} "
         f"as_predicted={all(r.as_predicted for r in rows)}"
     )
@@ -342,10 +352,13 @@ def run(argv: list[str] | None = None) -> int:
     args = parse(argv)
     specs, plan = plan_from_args(args)
     print(report(args, specs, plan))
-    if "expert" in domain_units(args):
-        print(report(args, *plan_from_args(args, "expert"), domain="expert"))
+    experts = plan_from_args(args, "expert") if "expert" in domain_units(args) else None
+    if experts:
+        print(report(args, *experts, domain="expert"))
     if args.traffic:
         print(traffic(args, plan)[0])
+        if experts:
+            print(traffic(args, experts[1], "expert")[0])
     return 0
 
 

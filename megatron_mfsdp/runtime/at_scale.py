@@ -7,7 +7,8 @@ per-call charges. What this shows: the torch.distributed calls per unit operatio
 bytes in and out (held against runtime/traffic.py's prediction from the layout), the busiest rank
 against ZeRO-3's bytes per rank, and the largest buffer a gather or reduction allocates. What it
 cannot show: time, NCCL's algorithm and protocol choice, the concurrency of grouped calls.
-tools/plan.py --traffic prints it; tests/unit/test_traffic_at_scale.py checks it at cluster scale.
+tools/plan.py --traffic prints it, per shard domain (dense over DP, experts over expert DP);
+tests/unit/test_traffic_at_scale.py checks it at cluster scale.
 """
 
 from __future__ import annotations
