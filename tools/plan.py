@@ -238,16 +238,20 @@ def domain_units(args) -> dict[str, list]:
 
 def plan_from_args(args, domain: str = "dense"):
     """(planner specs, plan) of the (validated) flags in one shard domain: dense over DP /
-    --mfsdp-replicate-size owners, experts over expert DP (world / (EP x expert TP))."""
+    --mfsdp-replicate-size owners, experts over expert DP (world / (EP x expert TP)) / its
+    gcd(--mfsdp-replicate-size, expert DP) replicas (megatron_mfsdp/groups.py)."""
+    import math
+
     from megatron_mfsdp.placement import plan_units
 
     specs = specs_from_args(args, domain_units(args)[domain])
     world = args.data_parallel_size // args.mfsdp_replicate_size
     if domain == "expert":
-        world = args.tensor_model_parallel_size * args.data_parallel_size
-        world //= args.expert_model_parallel_size * (
+        expert_dp = args.tensor_model_parallel_size * args.data_parallel_size
+        expert_dp //= args.expert_model_parallel_size * (
             args.expert_tensor_parallel_size or args.tensor_model_parallel_size
         )
+        world = expert_dp // math.gcd(args.mfsdp_replicate_size, expert_dp)
     plan = plan_units(specs, world, args.mfsdp_planner)
     plan.element_size = 2 if args.bf16 or args.fp16 else 4
     return specs, plan
@@ -264,11 +268,15 @@ def report(args, specs, plan, domain: str = "dense") -> str:
     bounds = plan_bounds(specs, plan.world_size)
     if domain == "expert":
         ep, local = args.expert_model_parallel_size, args.num_experts // args.expert_model_parallel_size
+        etp = args.expert_tensor_parallel_size or args.tensor_model_parallel_size
+        expert_dp = args.tensor_model_parallel_size * args.data_parallel_size // (ep * etp)
+        over = f"owners over expert DP {expert_dp}"
+        if plan.world_size != expert_dp:
+            over = f"expert DP {expert_dp} as {expert_dp // plan.world_size} replicas of {plan.world_size} owners"
         return "\n".join(
             [
-                f"experts: EP {ep} ({local} experts per rank), expert TP "
-                f"{args.expert_tensor_parallel_size or args.tensor_model_parallel_size}, owners "
-                f"over expert DP {plan.world_size}: {total:,} expert parameters per rank",
+                f"experts: EP {ep} ({local} experts per rank), expert TP {etp}, {over}: {total:,} "
+                "expert parameters per rank",
                 "> pipeline stage 0, expert domain: " + plan.report(),
                 f"lower bounds: bytes {bounds.bytes:.3f}, NS flops {bounds.ns_flops:.3f} (max/mean no plan can beat)",
             ]

@@ -323,3 +323,9 @@ def test_plan_tool_puts_experts_in_their_domain_over_expert_dp():
     assert sorted(owned) == sorted(names)
     single = TOOL.parse(SMALL["moe"].split() + ["--data-parallel-size", "8"])
     assert set(TOOL.domain_units(single)) == {"dense"}
+    # With replicas the expert-DP group splits as groups.py splits it: gcd(R, expert DP) replicas.
+    for replicas, owners in ((2, (4, 2)), (8, (1, 1)), (4, (2, 1))):
+        flags = f"--expert-model-parallel-size 2 --data-parallel-size 8 --mfsdp-replicate-size {replicas}".split()
+        hybrid = TOOL.parse(SMALL["moe"].split() + flags)
+        sizes = (TOOL.plan_from_args(hybrid)[1].world_size, TOOL.plan_from_args(hybrid, "expert")[1].world_size)
+        assert sizes == owners, (replicas, sizes)
