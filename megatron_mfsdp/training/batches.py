@@ -27,7 +27,11 @@ class MicroBatchSampler(torch.utils.data.Sampler):
 
 
 def micro_batches(args, dataset, start: int, dp_rank: int, dp_size: int):
-    """An endless iterator of collated micro-batches (dicts of tensors) for this DP rank."""
+    """An endless iterator of collated micro-batches (dicts of tensors) for this DP rank. The loader
+    draws its workers' base seed from a generator of its own: from the global one (torch's default)
+    every new iterator would move the CPU generator that dropout draws from on a CPU, so a run resumed
+    from a checkpoint (its generator states restored, then its iterators built) would drop other units
+    than the uninterrupted run (tests/e2e/test_checkpoint_resume.py)."""
     from ..data.datasets import collate_samples
 
     sampler = MicroBatchSampler(len(dataset), start, args.micro_batch_size, dp_rank, dp_size)
@@ -38,6 +42,7 @@ def micro_batches(args, dataset, start: int, dp_rank: int, dp_size: int):
         collate_fn=collate_samples,
         pin_memory=torch.cuda.is_available(),
         persistent_workers=args.num_workers > 0,
+        generator=torch.Generator().manual_seed(args.seed),
     )
     return iter(loader)
 
