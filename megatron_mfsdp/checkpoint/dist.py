@@ -68,9 +68,11 @@ def sharded_model(chunks, megatron_ddp: bool) -> dict:
 def _allocate_megatron_state(optimizer) -> None:
     """megatron-core's DistributedOptimizer reads its step count from the torch optimizer's state, which
     a fresh job has not made yet (Megatron-LM's GPU runs use Apex/TE's); one step of zero gradients
-    makes it, and the load then overwrites masters, moments and step."""
+    makes it, and the load then overwrites masters, moments and step. Its other optimizers (FP32Optimizer,
+    Float16OptimizerWithFloat16Params, without --use-distributed-optimizer) make their state themselves in
+    ``sharded_state_dict(is_loading=True)`` (optimizer.py at core_v0.16.1: init_state_fn)."""
     for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
-        if not inner.optimizer.state:
+        if not inner.optimizer.state and hasattr(inner, "_init_optimizer_states_with_dummy_values"):
             inner._init_optimizer_states_with_dummy_values()
 
 

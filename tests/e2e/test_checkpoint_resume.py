@@ -275,6 +275,21 @@ def test_megatron_distributed_optimizer_checkpoint_has_our_keys_and_resumes_matr
     assert len(got) == 2 and max(abs(a - b) for a, b in zip(got, reference[2:])) <= 1e-6, (got, reference)
 
 
+@pytest.mark.parametrize("precision", [[], ["--bf16"]])
+def test_megatron_ddp_without_the_distributed_optimizer_resumes_bitwise(tmp_path, precision):
+    """--optimizer adam without --use-distributed-optimizer (megatron-core's FP32Optimizer, and with --bf16 its
+    Float16OptimizerWithFloat16Params) on 2 ranks: saved at iteration 2 and resumed, the losses are bitwise the
+    uninterrupted run's. The load used to ask those optimizers for the DistributedOptimizer's dummy state."""
+    flags = [*TINY, "--eval-iters", "0", "--train-iters", "4", "--optimizer", "adam", *precision]
+    save = tmp_path / "ckpt"
+    reference = train_losses(
+        pretrain_in_workers(2, *flags, "--save", str(save), "--save-interval", "2", tmp_path=tmp_path)
+    )
+    (save / "latest_checkpointed_iteration.txt").write_text("2")
+    got = train_losses(pretrain_in_workers(2, *flags, "--load", str(save), tmp_path=tmp_path))
+    assert got == reference[2:], (got, reference)
+
+
 def test_ckpt_step_finetune_and_checkpoint_args(tmp_path):
     """--ckpt-step picks an older iteration than the tracker's; --use-checkpoint-args takes the model
     shape from it (this command line says --hidden-size 128); --finetune restarts at iteration 1."""
