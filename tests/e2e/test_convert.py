@@ -506,7 +506,10 @@ def test_megatron_loader_and_saver_names_are_our_formats(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "note: --model-size llama3: the model is read from config.json" in out
     assert "note: --max-queue-size: not needed here" in out
-    assert "converted llama_mistral [a Hugging Face LlamaForCausalLM or GPT2LMHeadModel folder (Megatron-LM" in out
+    assert (
+        "converted llama_mistral [a Hugging Face LlamaForCausalLM, GPT2LMHeadModel or Qwen3MoeForCausalLM folder ("
+        in out
+    )
     assert "-> core [--ckpt-format torch_dist (Megatron-LM's layout" in out
     args, _ = read_model_checkpoint(str(tmp_path / "core"))
     assert args["tokenizer_type"] == "HuggingFaceTokenizer"  # the --tokenizer-model folder's files, carried along

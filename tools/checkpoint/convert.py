@@ -1,6 +1,6 @@
 """Convert checkpoints between Hugging Face and megatron-mfsdp, with Megatron-LM's command line
 (tools/checkpoint/convert.py at core_v0.16.1 and HEAD: --model-type, --loader, --saver, --load-dir,
---save-dir, the core saver's --target-tensor/pipeline-parallel-size, llama_mistral's --checkpoint-type,
+--save-dir, the core saver's --target-tensor/pipeline/expert-parallel-size, llama_mistral's --checkpoint-type,
 --model-size, --tokenizer-model, --bf16/--fp16).
 
     python tools/checkpoint/convert.py --loader hf --saver mfsdp --load-dir HF --save-dir CKPT

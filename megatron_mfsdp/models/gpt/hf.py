@@ -383,6 +383,10 @@ def _qwen3_moe_args(cfg, divisible_by: int) -> dict:
         moe_router_pre_softmax=not cfg.norm_topk_prob,
         moe_router_score_function="softmax",
         moe_router_load_balancing_type="aux_loss",
+        # The coefficient only: transformers' load_balancing_loss_func (modeling_qwen3_moe.py) pools the
+        # expert counts and probabilities over all layers, and is added only with output_router_logits;
+        # megatron-core's switch_load_balancing_loss_func (moe/moe_utils.py) is per layer, divided by the
+        # top-k, and summed. Training only: the logits do not depend on it.
         moe_aux_loss_coeff=float(cfg.router_aux_loss_coef),
     )
     return args
