@@ -6,8 +6,8 @@ writes it:
 
 - ``mfsdp``: our ``--ckpt-format torch_dist`` checkpoints (model_files.py), read from any layout;
   written at 1 x 1 x 1, which dist_checkpointing reshards when a run loads it at another layout;
-- ``hf``: a Hugging Face LlamaForCausalLM or GPT2LMHeadModel folder (safetensors, config.json and
-  the tokenizer files when the source has them), mapped by models/gpt/hf.py.
+- ``hf``: a Hugging Face LlamaForCausalLM, GPT2LMHeadModel or Qwen3MoeForCausalLM folder (safetensors,
+  config.json and the tokenizer files when the source has them), mapped by models/gpt/hf.py.
 
 Megatron-LM's own loader and saver names (``LOADERS``, ``SAVERS``; tools/checkpoint/ at HEAD has
 loader_core/saver_core, with ``mcore`` its old spelling, and core_v0.16.1 also loader_llama_mistral,
@@ -43,7 +43,7 @@ DTYPE_FLAGS = {torch.bfloat16: {"bf16": True, "fp16": False}, torch.float16: {"b
 
 
 _TORCH_DIST = "--ckpt-format torch_dist (Megatron-LM's layout: megatron-mfsdp's or Megatron-LM's own, any TP x PP x DP)"
-_HF = "a Hugging Face LlamaForCausalLM or GPT2LMHeadModel folder"
+_HF = "a Hugging Face LlamaForCausalLM, GPT2LMHeadModel or Qwen3MoeForCausalLM folder"
 _LEGACY = (
     "Megatron-LM's legacy checkpoints (per-rank mp_rank_* files of its non-megatron-core models) are not {}; "
     "convert them with Megatron-LM's own tools/checkpoint/convert.py to core (torch_dist) first"
@@ -202,12 +202,15 @@ def save_hf(loaded: Loaded, save_dir: str, keep_vocab_padding: bool = False) -> 
     return copy_tokenizer_files(loaded.tokenizer_dir, save_dir) if loaded.tokenizer_dir else []
 
 
-def check_layout(stored: dict, tp: int, pp: int) -> None:
-    """Refuse a target layout megatron-core cannot build for this model, naming the flag."""
+def check_layout(stored: dict, tp: int, pp: int, ep: int = 1) -> None:
+    """Refuse a target layout megatron-core cannot build for this model, naming the flag. Experts split
+    over EP and, at Megatron-LM's default expert TP (= TP), their FFN over TP."""
+    experts = stored.get("num_experts")
     for what, count in (
         ("num_attention_heads", stored["num_attention_heads"]),
         ("num_query_groups", stored["num_query_groups"] if stored.get("group_query_attention") else None),
         ("ffn_hidden_size", stored["ffn_hidden_size"]),
+        ("moe_ffn_hidden_size", stored.get("moe_ffn_hidden_size") if experts else None),
     ):
         if count is not None and count % tp:
             raise hf.ConversionError(f"--target-tensor-parallel-size {tp} does not divide {what}={count}")
@@ -215,6 +218,10 @@ def check_layout(stored: dict, tp: int, pp: int) -> None:
         raise hf.ConversionError(
             f"--target-pipeline-parallel-size {pp} does not divide num_layers={stored['num_layers']}"
         )
+    if ep != 1 and not experts:
+        raise hf.ConversionError(f"--target-expert-parallel-size {ep}: the model has no experts (num_experts unset)")
+    if experts and experts % ep:
+        raise hf.ConversionError(f"--target-expert-parallel-size {ep} does not divide num_experts={experts}")
 
 
 def _repad_vocab(stored: dict, tensors: dict, tp: int) -> dict:
@@ -235,15 +242,18 @@ def _repad_vocab(stored: dict, tensors: dict, tp: int) -> dict:
     return out
 
 
-def save_mfsdp(loaded: Loaded, save_dir: str, tp: int = 1, pp: int = 1) -> str:
+def save_mfsdp(loaded: Loaded, save_dir: str, tp: int = 1, pp: int = 1, ep: int = 1) -> str:
     """Our torch_dist checkpoint. The tensors are written at 1 x 1 x 1 (dist_checkpointing reshards
-    on load); ``tp``/``pp`` set the stored --tensor/--pipeline-model-parallel-size (what
-    --use-checkpoint-args resumes at) and the vocabulary padding of that TP. A source Hugging Face
-    tokenizer is copied beside the checkpoint and named by the stored --tokenizer-* flags."""
+    on load; experts under megatron-core's keys with an expert axis, read at any EP); ``tp``/``pp``/``ep``
+    set the stored --tensor/--pipeline/--expert-model-parallel-size (what --use-checkpoint-args resumes
+    at) and the vocabulary padding of that TP. A source Hugging Face tokenizer is copied beside the
+    checkpoint and named by the stored --tokenizer-* flags."""
     args = dict(loaded.args)
-    check_layout(hf.transformer_args(args), tp, pp)
+    check_layout(hf.transformer_args(args), tp, pp, ep)
     tensors = _repad_vocab(args, loaded.tensors, tp)
     args.update(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, iteration=loaded.iteration)
+    if args.get("num_experts"):
+        args.update(expert_model_parallel_size=ep)
     if loaded.tokenizer_dir is not None:
         target = os.path.abspath(os.path.join(save_dir, TOKENIZER_SUBDIR))
         if os.path.abspath(loaded.tokenizer_dir) != target:
@@ -262,7 +272,7 @@ def cast(loaded: Loaded, dtype: torch.dtype) -> Loaded:
 
 def convert(loader: str, saver: str, load_dir: str, save_dir: str, **options) -> Loaded:
     """Run one conversion. ``options``: base_args, make_vocab_size_divisible_by (hf loader), step,
-    true_vocab_size (mfsdp loader), target_tp, target_pp (mfsdp saver), keep_vocab_padding (hf saver),
+    true_vocab_size (mfsdp loader), target_tp, target_pp, target_ep (mfsdp saver), keep_vocab_padding (hf saver),
     dtype (cast the loaded weights), tokenizer_dir (hf loader: where the tokenizer files are).
     ``loader``/``saver`` may be Megatron-LM's names (``resolve``)."""
     loader, saver = resolve("loader", loader)[0], resolve("saver", saver)[0]
@@ -279,13 +289,13 @@ def convert(loader: str, saver: str, load_dir: str, save_dir: str, **options) ->
         raise hf.ConversionError(f"--loader {loader!r}: choose mfsdp or hf")
     if options.get("dtype") is not None:
         loaded = cast(loaded, options["dtype"])
-    tp, pp = options.get("target_tp") or 1, options.get("target_pp") or 1
+    tp, pp, ep = (options.get(k) or 1 for k in ("target_tp", "target_pp", "target_ep"))
     if saver == "hf":
-        if (tp, pp) != (1, 1):
-            raise hf.ConversionError("--target-tensor/pipeline-parallel-size apply to --saver mfsdp only")
+        if (tp, pp, ep) != (1, 1, 1):
+            raise hf.ConversionError("--target-tensor/pipeline/expert-parallel-size apply to --saver mfsdp only")
         save_hf(loaded, save_dir, bool(options.get("keep_vocab_padding")))
     elif saver == "mfsdp":
-        save_mfsdp(loaded, save_dir, tp, pp)
+        save_mfsdp(loaded, save_dir, tp, pp, ep)
     else:
         raise hf.ConversionError(f"--saver {saver!r}: choose mfsdp or hf")
     return loaded

@@ -506,7 +506,10 @@ def test_megatron_loader_and_saver_names_are_our_formats(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "note: --model-size llama3: the model is read from config.json" in out
     assert "note: --max-queue-size: not needed here" in out
-    assert "converted llama_mistral [a Hugging Face LlamaForCausalLM or GPT2LMHeadModel folder (Megatron-LM" in out
+    assert (
+        "converted llama_mistral [a Hugging Face LlamaForCausalLM, GPT2LMHeadModel or Qwen3MoeForCausalLM folder ("
+        in out
+    )
     assert "-> core [--ckpt-format torch_dist (Megatron-LM's layout" in out
     args, _ = read_model_checkpoint(str(tmp_path / "core"))
     assert args["tokenizer_type"] == "HuggingFaceTokenizer"  # the --tokenizer-model folder's files, carried along
@@ -541,12 +544,30 @@ def test_megatron_bf16_flag_loads_the_weights_in_bf16(tmp_path, capsys):
             ["--loader", "llama_mistral", "--checkpoint-type", "meta", "--saver", "core"],
             "--checkpoint-type meta: Meta's original checkpoint files are not read",
         ),
-        (["--loader", "hf", "--saver", "core", "--target-expert-parallel-size", "2"], "no experts here"),
     ],
 )
 def test_megatron_names_we_cannot_honour_are_refused_with_the_reason(flags, message, tmp_path, capsys):
     assert CONVERT.main([*flags, "--load-dir", str(tmp_path / "in"), "--save-dir", str(tmp_path / "out")]) == 2
     assert message in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+def test_target_expert_parallel_size_needs_experts(tmp_path, capsys):
+    """--target-expert-parallel-size sets the stored EP of an MoE model (tests/e2e/test_convert_moe.py); a
+    dense model has no experts to split."""
+    tiny_hf_model("llama_gqa_tied").save_pretrained(tmp_path / "hf")
+    flags = [
+        "--loader",
+        "hf",
+        "--saver",
+        "core",
+        "--load-dir",
+        str(tmp_path / "hf"),
+        "--save-dir",
+        str(tmp_path / "out"),
+    ]
+    assert CONVERT.main([*flags, "--target-expert-parallel-size", "2"]) == 2
+    assert "--target-expert-parallel-size 2: the model has no experts" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
 
 

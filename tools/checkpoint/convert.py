@@ -1,6 +1,6 @@
 """Convert checkpoints between Hugging Face and megatron-mfsdp, with Megatron-LM's command line
 (tools/checkpoint/convert.py at core_v0.16.1 and HEAD: --model-type, --loader, --saver, --load-dir,
---save-dir, the core saver's --target-tensor/pipeline-parallel-size, llama_mistral's --checkpoint-type,
+--save-dir, the core saver's --target-tensor/pipeline/expert-parallel-size, llama_mistral's --checkpoint-type,
 --model-size, --tokenizer-model, --bf16/--fp16).
 
     python tools/checkpoint/convert.py --loader hf --saver mfsdp --load-dir HF --save-dir CKPT
@@ -21,13 +21,13 @@ EPILOG = (
     "latest_checkpointed_iteration.txt, iter_NNNNNNN/ by megatron-core dist_checkpointing, the args in the "
     "common state). Its tensors are global, so a checkpoint saved at any TP x PP x DP (by megatron-mfsdp or by "
     "Megatron-LM) is read here, and the saver writes them at 1 x 1 x 1: dist_checkpointing reshards when a run "
-    "loads them at another layout. --target-tensor/pipeline-parallel-size set the layout stored in the args "
-    "(what --use-checkpoint-args resumes at) and the vocabulary padding of that TP. A converted checkpoint has "
-    "no optimizer state: resume from it with --finetune or --no-load-optim. hf (and Megatron-LM's "
-    "llama_mistral loader with --checkpoint-type hf) is a LlamaForCausalLM or GPT2LMHeadModel folder "
-    "(safetensors + config.json, tokenizer files when the source has them). Megatron-LM's legacy (and its old "
-    "name megatron) checkpoints of non-megatron-core models are refused. Settings either side cannot express "
-    "are refused by name."
+    "loads them at another layout. --target-tensor/pipeline/expert-parallel-size set the layout stored in the "
+    "args (what --use-checkpoint-args resumes at) and the vocabulary padding of that TP. A converted checkpoint "
+    "has no optimizer state: resume from it with --finetune or --no-load-optim. hf (and Megatron-LM's "
+    "llama_mistral loader with --checkpoint-type hf) is a LlamaForCausalLM, GPT2LMHeadModel or "
+    "Qwen3MoeForCausalLM folder (safetensors + config.json, tokenizer files when the source has them). "
+    "Megatron-LM's legacy (and its old name megatron) checkpoints of non-megatron-core models are refused. "
+    "Settings either side cannot express are refused by name."
 )
 LOADER_NAMES = ("mfsdp", "core", "mcore", "hf", "llama_mistral", "legacy", "megatron")
 SAVER_NAMES = ("mfsdp", "core", "mcore", "hf", "legacy", "megatron")
@@ -50,7 +50,12 @@ def _add_megatron_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--bf16", action="store_true", help="load the weights in bf16 (and store --bf16)")
     g.add_argument("--fp16", action="store_true", help="load the weights in fp16 (and store --fp16)")
-    g.add_argument("--target-expert-parallel-size", type=int, default=1, help="core saver: only 1 (no experts here)")
+    g.add_argument(
+        "--target-expert-parallel-size",
+        type=int,
+        default=1,
+        help="core saver: the stored EP size of an MoE model (its experts are written whole, read at any EP)",
+    )
     for flag in ("--megatron-path", "--max-queue-size", "--loader-transformer-impl", "--saver-transformer-impl"):
         g.add_argument(flag, default=None, help="accepted and not needed here (noted in the output)")
     g.add_argument("--no-checking", action="store_true", help="accepted and not needed here (noted in the output)")
@@ -116,8 +121,6 @@ def _check(args, convert_lib) -> tuple[str, str, list[str]]:
             "--checkpoint-type meta: Meta's original checkpoint files are not read; give the "
             "Hugging Face folder (--checkpoint-type hf)"
         )
-    if args.target_expert_parallel_size != 1:
-        raise ConversionError(f"--target-expert-parallel-size {args.target_expert_parallel_size}: no experts here")
     if args.bf16 and args.fp16:
         raise ConversionError("--bf16 and --fp16 exclude each other")
     notes = [f"--model-size {args.model_size}: the model is read from config.json"] if args.model_size else []
@@ -164,6 +167,7 @@ def run(args) -> int:
             true_vocab_size=args.true_vocab_size,
             target_tp=args.target_tensor_parallel_size,
             target_pp=args.target_pipeline_parallel_size,
+            target_ep=args.target_expert_parallel_size,
             keep_vocab_padding=args.hf_keep_vocab_padding,
             dtype=torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else None,
             tokenizer_dir=args.tokenizer_model,
@@ -171,7 +175,9 @@ def run(args) -> int:
     except (ConversionError, CheckpointError, FileNotFoundError) as err:
         print(f"convert.py: error: {err}", file=sys.stderr)
         return 2
-    kind = "LlamaForCausalLM" if loaded.args.get("swiglu") else "GPT2LMHeadModel"
+    from megatron_mfsdp.models.gpt import hf
+
+    kind = hf.ARCHITECTURES[hf.architecture(loaded.args)]
     tensors = len(loaded.tensors)
     print(
         f"converted {args.loader} [{loader_format}] {args.load_dir} -> {args.saver} [{saver_format}] "

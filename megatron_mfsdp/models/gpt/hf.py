@@ -1,4 +1,5 @@
-"""Hugging Face checkpoints <-> megatron-core GPTModel: LlamaForCausalLM and GPT2LMHeadModel.
+"""Hugging Face checkpoints <-> megatron-core GPTModel: LlamaForCausalLM, GPT2LMHeadModel and
+Qwen3MoeForCausalLM (mixture of experts, as megatron-core's MoE layer with SequentialMLP experts).
 
 Our side is a state dict with the global (1 x 1 x 1, TP=1) parameter names of megatron-core's
 GPTModel built from the local layer spec (build.py), e.g.
@@ -49,6 +50,20 @@ MEGATRON_DEFAULTS = {
     "hidden_dropout": 0.1,
     "attention_dropout": 0.1,
     "num_experts": None,
+    "moe_layer_freq": 1,
+    "moe_ffn_hidden_size": None,  # None: ffn_hidden_size (Megatron-LM's validate_args)
+    "moe_router_topk": 2,
+    "moe_router_pre_softmax": False,
+    "moe_router_score_function": "softmax",
+    "moe_router_load_balancing_type": "aux_loss",
+    "moe_aux_loss_coeff": 0.0,
+    "moe_shared_expert_intermediate_size": None,
+    "moe_router_topk_scaling_factor": None,
+    "moe_router_num_groups": None,
+    "moe_router_group_topk": None,
+    "moe_router_enable_expert_bias": False,
+    "moe_expert_capacity_factor": None,
+    "moe_apply_probs_on_input": False,
     "multi_latent_attention": False,
     "vocab_size": None,
     "padded_vocab_size": None,
@@ -65,6 +80,7 @@ LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_po
 # Input tensors that are not parameters and carry nothing to convert.
 IGNORED = {
     "llama": (r"model\.(layers\.\d+\.self_attn\.)?rotary_emb\.(original_)?inv_freq",),
+    "qwen3_moe": (r"model\.(layers\.\d+\.self_attn\.)?rotary_emb\.(original_)?inv_freq",),
     "gpt2": (r"(transformer\.)?h\.\d+\.attn\.(bias|masked_bias)",),
     "megatron": (r".*\._extra_state",),
 }
@@ -102,6 +118,19 @@ def split_qkv(qkv: torch.Tensor, num_attention_heads: int, num_query_groups: int
     k = blocks[:, per_group].reshape(-1, *tail)
     v = blocks[:, per_group + 1].reshape(-1, *tail)
     return q.clone(), k.clone(), v.clone()
+
+
+def fuse_gate_up(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """megatron's SwiGLU linear_fc1 from HF's gate_proj and up_proj: gate rows first (megatron-core's
+    MLP splits fc1's output in two and applies the activation to the first half: bias_swiglu_impl /
+    glu in megatron/core/transformer/mlp.py at core_v0.16.1)."""
+    return torch.cat([gate, up])
+
+
+def split_gate_up(fc1: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(gate_proj, up_proj) of megatron's SwiGLU linear_fc1, the inverse of ``fuse_gate_up``."""
+    gate, up = fc1.chunk(2)
+    return gate.clone(), up.clone()
 
 
 def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
@@ -274,6 +303,95 @@ def _gpt2_args(cfg, divisible_by: int) -> dict:
     return args
 
 
+def moe_layer_pattern(model_args: dict) -> list[bool]:
+    """Which layers are MoE layers: --moe-layer-freq N (layers 0, N, 2N, ...) or a 0/1 list, as
+    megatron-core's get_gpt_decoder_block_spec reads it (models/gpt/gpt_layer_specs.py at core_v0.16.1)."""
+    freq, layers = model_args["moe_layer_freq"], model_args["num_layers"]
+    if isinstance(freq, int):
+        return [i % freq == 0 for i in range(layers)]
+    if len(freq) != layers:
+        _refuse("moe_layer_freq", freq, f"one entry per layer is needed (num_layers={layers})")
+    return [bool(f) for f in freq]
+
+
+def _qwen3_moe_pattern(cfg) -> list[bool]:
+    """Qwen3MoeDecoderLayer's choice (transformers/models/qwen3_moe/modeling_qwen3_moe.py): a sparse
+    block unless the layer is in mlp_only_layers, and only every decoder_sparse_step-th layer
+    counting from 1 (layers step-1, 2*step-1, ...; megatron's integer frequency counts from 0)."""
+    dense = set(cfg.mlp_only_layers or [])
+    step = cfg.decoder_sparse_step
+    return [i not in dense and (i + 1) % step == 0 for i in range(cfg.num_hidden_layers)]
+
+
+def _qwen3_moe_sparsity(pattern: list[bool]) -> dict:
+    """decoder_sparse_step and mlp_only_layers of a layer pattern: a step alone where one gives it
+    exactly, else step 1 and the dense layers listed."""
+    for step in range(1, len(pattern) + 1):
+        if pattern == [(i + 1) % step == 0 for i in range(len(pattern))]:
+            return {"decoder_sparse_step": step, "mlp_only_layers": []}
+    return {"decoder_sparse_step": 1, "mlp_only_layers": [i for i, sparse in enumerate(pattern) if not sparse]}
+
+
+def _qwen3_moe_args(cfg, divisible_by: int) -> dict:
+    """Qwen3MoeConfig (transformers/models/qwen3_moe/configuration_qwen3_moe.py) as Megatron-LM dests:
+    a Llama-style decoder with q_norm/k_norm (--qk-layernorm) whose MLPs are megatron-core MoE layers
+    (--num-experts, --moe-*), dense ones where --moe-layer-freq says 0."""
+    if cfg.hidden_act != "silu":
+        _refuse("hidden_act", cfg.hidden_act, "megatron's --swiglu gates with SiLU")
+    if cfg.attention_bias:
+        _refuse("attention_bias", True, "megatron's QKV and output biases come with MLP and expert biases")
+    if getattr(cfg, "use_sliding_window", False):
+        _refuse("use_sliding_window", True, "megatron-core's GPTModel attends over the whole causal window")
+    if not cfg.num_experts:
+        _refuse("num_experts", cfg.num_experts, "a Qwen3MoeForCausalLM without experts is not converted")
+    if cfg.num_experts_per_tok == 1 and cfg.norm_topk_prob:
+        _refuse(
+            "norm_topk_prob",
+            True,
+            "at num_experts_per_tok=1 it weights every token's expert by 1, and megatron-core's top-1 softmax "
+            "router needs --moe-router-pre-softmax (weights the softmax probability)",
+        )
+    pattern = _qwen3_moe_pattern(cfg)
+    if not any(pattern):
+        _refuse("mlp_only_layers", cfg.mlp_only_layers, "no layer is an MoE layer")
+    heads = cfg.num_attention_heads
+    groups = cfg.num_key_value_heads or heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    args = _common_args(cfg, cfg.num_hidden_layers, cfg.hidden_size, heads, groups, cfg.max_position_embeddings)
+    args.update(**_rope_settings(cfg), **_vocab_args(cfg.vocab_size, divisible_by))
+    args.update(
+        ffn_hidden_size=cfg.intermediate_size,  # the dense (mlp_only) layers' Qwen3MoeMLP
+        kv_channels=head_dim,
+        position_embedding_type="rope",
+        normalization="RMSNorm",
+        layernorm_epsilon=float(cfg.rms_norm_eps),  # q_norm/k_norm use it too, as megatron's qk layernorm
+        qk_layernorm=True,
+        swiglu=True,
+        openai_gelu=False,
+        add_bias_linear=False,
+        untie_embeddings_and_output_weights=not cfg.tie_word_embeddings,
+        hidden_dropout=0.0,
+        attention_dropout=float(cfg.attention_dropout),
+        num_experts=cfg.num_experts,
+        moe_layer_freq=1 if all(pattern) else [int(p) for p in pattern],
+        moe_ffn_hidden_size=cfg.moe_intermediate_size,
+        moe_router_topk=cfg.num_experts_per_tok,
+        # Qwen3MoeTopKRouter: softmax over all experts, top-k, then (norm_topk_prob) divided by the
+        # top-k sum, i.e. a softmax over the top-k logits: megatron-core's default top-k then softmax
+        # (moe/moe_utils.py topk_routing_with_score_function at core_v0.16.1). Without the division it
+        # is --moe-router-pre-softmax: softmax over all experts, then top-k.
+        moe_router_pre_softmax=not cfg.norm_topk_prob,
+        moe_router_score_function="softmax",
+        moe_router_load_balancing_type="aux_loss",
+        # The coefficient only: transformers' load_balancing_loss_func (modeling_qwen3_moe.py) pools the
+        # expert counts and probabilities over all layers, and is added only with output_router_logits;
+        # megatron-core's switch_load_balancing_loss_func (moe/moe_utils.py) is per layer, divided by the
+        # top-k, and summed. Training only: the logits do not depend on it.
+        moe_aux_loss_coeff=float(cfg.router_aux_loss_coef),
+    )
+    return args
+
+
 # ----------------------------------------------------------------------------------------
 # Settings: model_args -> HF config, TransformerConfig
 # ----------------------------------------------------------------------------------------
@@ -290,6 +408,8 @@ def _resolved(model_args: dict) -> dict:
     args["kv_channels"] = args["kv_channels"] or args["hidden_size"] // args["num_attention_heads"]
     if args["padded_vocab_size"] is None and args["vocab_size"] is not None:
         args.update(_vocab_args(args["vocab_size"], args["make_vocab_size_divisible_by"]))
+    if args["num_experts"] and args["moe_ffn_hidden_size"] is None:
+        args["moe_ffn_hidden_size"] = args["ffn_hidden_size"]
     return args
 
 
@@ -299,8 +419,21 @@ def transformer_args(model_args: dict) -> dict:
     return _resolved(model_args)
 
 
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "gpt2": "GPT2LMHeadModel", "qwen3_moe": "Qwen3MoeForCausalLM"}
+
+
+def architecture(model_args: dict) -> str:
+    """The Hugging Face model_type a model_args dict converts to: qwen3_moe with experts
+    (--num-experts), else llama with --swiglu, else gpt2 (``ARCHITECTURES`` names their classes)."""
+    args = _resolved(model_args)
+    if args["num_experts"]:
+        return "qwen3_moe"
+    return "llama" if args["swiglu"] else "gpt2"
+
+
 def _refuse_unsupported(model_args: dict) -> None:
-    """Megatron settings with no counterpart in either Hugging Face architecture here."""
+    """Megatron settings with no counterpart in the Hugging Face architecture chosen."""
+    moe = bool(model_args["num_experts"])
     for dest in (
         "qk_layernorm",
         "rotary_interleaved",
@@ -312,10 +445,51 @@ def _refuse_unsupported(model_args: dict) -> None:
         "num_experts",
         "rotary_seq_len_interpolation_factor",
     ):
+        if moe and dest in ("qk_layernorm", "num_experts"):
+            continue
         if model_args[dest]:
             _refuse(dest, model_args[dest], "neither LlamaForCausalLM nor GPT2LMHeadModel has it")
     if model_args["rotary_percent"] != 1.0:
         _refuse("rotary_percent", model_args["rotary_percent"], "LlamaForCausalLM rotates the whole head")
+    if moe:
+        _refuse_unsupported_moe(model_args)
+
+
+def _refuse_unsupported_moe(args: dict) -> None:
+    """megatron-core MoE settings that change the forward and that Qwen3MoeForCausalLM cannot express
+    (its router: softmax, top-k, optional renormalization; its experts: SwiGLU without bias)."""
+    arch = "Qwen3MoeForCausalLM"
+    if args["moe_shared_expert_intermediate_size"]:
+        _refuse(
+            "moe_shared_expert_intermediate_size",
+            args["moe_shared_expert_intermediate_size"],
+            f"{arch} has no shared expert",
+        )
+    if args["moe_router_score_function"] != "softmax":
+        _refuse(
+            "moe_router_score_function", args["moe_router_score_function"], f"{arch}'s router scores with a softmax"
+        )
+    if args["moe_router_topk_scaling_factor"] not in (None, 1.0):
+        _refuse(
+            "moe_router_topk_scaling_factor",
+            args["moe_router_topk_scaling_factor"],
+            f"{arch} does not scale its routing weights",
+        )
+    for dest in ("moe_router_num_groups", "moe_router_group_topk"):
+        if args[dest]:
+            _refuse(dest, args[dest], f"{arch} has no group-limited routing")
+    if args["moe_router_enable_expert_bias"]:
+        _refuse("moe_router_enable_expert_bias", True, f"{arch}'s router has no expert bias")
+    if args["moe_expert_capacity_factor"] is not None:
+        _refuse("moe_expert_capacity_factor", args["moe_expert_capacity_factor"], f"{arch} drops no tokens")
+    if args["moe_apply_probs_on_input"]:
+        _refuse("moe_apply_probs_on_input", True, f"{arch} scales each expert's output by its weight")
+    balancing = args["moe_router_load_balancing_type"]
+    if "sinkhorn" in (balancing if isinstance(balancing, list) else [balancing]):
+        _refuse("moe_router_load_balancing_type", balancing, f"{arch} routes by softmax top-k, not Sinkhorn")
+    coeff = args["moe_aux_loss_coeff"]
+    if isinstance(coeff, list) and len(coeff) != 1:
+        _refuse("moe_aux_loss_coeff", coeff, f"{arch} has one router_aux_loss_coef")
 
 
 def _expect(model_args: dict, arch: str, **wanted) -> None:
@@ -390,6 +564,62 @@ def _gpt2_config(model_args: dict):
     )
 
 
+def _qwen3_moe_config(model_args: dict):
+    from transformers import Qwen3MoeConfig
+
+    _expect(
+        model_args,
+        "Qwen3MoeForCausalLM (chosen by num_experts)",
+        swiglu=True,
+        normalization="RMSNorm",
+        position_embedding_type="rope",
+        qk_layernorm=True,
+        add_bias_linear=False,
+        add_qkv_bias=False,
+    )
+    topk, coeff = model_args["moe_router_topk"], model_args["moe_aux_loss_coeff"]
+    rope = {"rope_type": "default", "rope_theta": float(model_args["rotary_base"])}
+    if model_args["use_rope_scaling"]:
+        rope.update(rope_type="llama3", factor=float(model_args["rope_scaling_factor"]), **LLAMA3_ROPE)
+    return Qwen3MoeConfig(
+        architectures=["Qwen3MoeForCausalLM"],
+        vocab_size=model_args["vocab_size"],
+        hidden_size=model_args["hidden_size"],
+        intermediate_size=model_args["ffn_hidden_size"],
+        num_hidden_layers=model_args["num_layers"],
+        num_attention_heads=model_args["num_attention_heads"],
+        num_key_value_heads=model_args["num_query_groups"],
+        head_dim=model_args["kv_channels"],
+        hidden_act="silu",
+        max_position_embeddings=model_args["max_position_embeddings"],
+        initializer_range=model_args["init_method_std"],
+        rms_norm_eps=model_args["layernorm_epsilon"],
+        tie_word_embeddings=not model_args["untie_embeddings_and_output_weights"],
+        rope_parameters=rope,
+        attention_bias=False,
+        attention_dropout=model_args["attention_dropout"],
+        num_experts=model_args["num_experts"],
+        num_experts_per_tok=topk,
+        moe_intermediate_size=model_args["moe_ffn_hidden_size"],
+        # megatron-core's top-k then softmax is Qwen3's renormalized top-k (see _qwen3_moe_args)
+        norm_topk_prob=not model_args["moe_router_pre_softmax"],
+        router_aux_loss_coef=float(coeff[0] if isinstance(coeff, list) else coeff),
+        **_qwen3_moe_sparsity(moe_layer_pattern(model_args)),
+    )
+
+
+# megatron-core TransformerConfig fields of an MoE model that are also Megatron-LM dests of the same name
+MOE_CONFIG_FIELDS = (
+    "moe_layer_freq",
+    "moe_ffn_hidden_size",
+    "moe_router_topk",
+    "moe_router_pre_softmax",
+    "moe_router_score_function",
+    "moe_router_load_balancing_type",
+    "moe_aux_loss_coeff",
+)
+
+
 def transformer_config_kwargs(model_args: dict) -> tuple[dict, dict]:
     """(megatron-core TransformerConfig kwargs, build_gpt_model kwargs) of a model_args dict:
     the model's own settings only; add the run's (use_cpu_initialization, dtypes, parallel
@@ -406,6 +636,9 @@ def transformer_config_kwargs(model_args: dict) -> tuple[dict, dict]:
     config.update({k: args[k] for k in ("num_query_groups", "kv_channels", "normalization", "layernorm_epsilon")})
     config.update({k: args[k] for k in ("add_bias_linear", "add_qkv_bias", "hidden_dropout", "attention_dropout")})
     config.update(gated_linear_unit=args["swiglu"], activation_func=activation, init_method_std=args["init_method_std"])
+    config.update(qk_layernorm=args["qk_layernorm"])
+    if args["num_experts"]:
+        config.update({k: args[k] for k in MOE_CONFIG_FIELDS}, num_moe_experts=args["num_experts"])
     model = {
         "vocab_size": args["padded_vocab_size"],
         "max_sequence_length": args["max_position_embeddings"],
@@ -472,10 +705,10 @@ def _llama_layers(src: _Tensors, dst: dict, model_args: dict, to_megatron: bool)
             gate_up = [f"{theirs}mlp.{p}_proj.{leaf}" for p in ("gate", "up")]
             if to_megatron:
                 dst[qkv] = fuse_qkv(*(src.pop(n) for n in names), groups)
-                dst[fc1] = torch.cat([src.pop(n) for n in gate_up])
+                dst[fc1] = fuse_gate_up(*(src.pop(n) for n in gate_up))
             else:
                 dst.update(zip(names, split_qkv(src.pop(qkv), heads, groups, head_dim)))
-                dst.update(zip(gate_up, (t.clone() for t in src.pop(fc1).chunk(2))))
+                dst.update(zip(gate_up, split_gate_up(src.pop(fc1))))
 
 
 def _gpt2_layers(src: _Tensors, dst: dict, model_args: dict, to_megatron: bool) -> None:
@@ -494,11 +727,89 @@ def _gpt2_layers(src: _Tensors, dst: dict, model_args: dict, to_megatron: bool) 
                 dst[theirs + leaf] = joined.t().contiguous()
 
 
+def _swiglu_mlp(src: _Tensors, dst: dict, ours: str, theirs: str, to_megatron: bool) -> None:
+    """One bias-free SwiGLU MLP: HF's gate_proj, up_proj, down_proj (under ``theirs``) <-> megatron's
+    linear_fc1 (gate | up) and linear_fc2 (under ``ours``)."""
+    fc1, fc2 = ours + "linear_fc1.weight", ours + "linear_fc2.weight"
+    gate, up, down = (f"{theirs}{p}_proj.weight" for p in ("gate", "up", "down"))
+    if to_megatron:
+        dst[fc1] = fuse_gate_up(src.pop(gate), src.pop(up))
+    else:
+        dst[gate], dst[up] = split_gate_up(src.pop(fc1))
+    _copy(src, dst, [(fc2, down, False)], to_megatron)
+
+
+def _expert_prefixes(model_args: dict, i: int) -> list[tuple[str, str]]:
+    """(ours, theirs) name prefixes of layer ``i``'s experts: megatron-core SequentialMLP's
+    ``mlp.experts.local_experts.{e}`` (global expert e in a 1 x 1 x 1 model) and HF's
+    ``mlp.experts.{e}`` (one Linear per expert, as Qwen3-MoE checkpoints store them)."""
+    ours, theirs = f"decoder.layers.{i}.mlp.experts.local_experts.", f"model.layers.{i}.mlp.experts."
+    return [(f"{ours}{e}.", f"{theirs}{e}.") for e in range(model_args["num_experts"])]
+
+
+def _qwen3_moe_layers(src: _Tensors, dst: dict, model_args: dict, to_megatron: bool) -> None:
+    """Per layer (transformers/models/qwen3_moe/modeling_qwen3_moe.py: Qwen3MoeDecoderLayer): Q, K, V
+    <-> grouped linear_qkv, q_norm/k_norm <-> q_layernorm/k_layernorm (megatron-core's SelfAttention
+    normalizes each head before RoPE, as Qwen3MoeAttention), and the MLP: a Qwen3MoeMLP <-> megatron's
+    dense MLP; a Qwen3MoeSparseMoeBlock <-> megatron-core's MoELayer (moe/moe_layer.py), its gate <->
+    the router's weight (moe/router.py TopKRouter) and each expert <-> one SequentialMLP local expert
+    (moe/experts.py)."""
+    heads, groups = model_args["num_attention_heads"], model_args["num_query_groups"]
+    head_dim = model_args["kv_channels"]
+    for i, sparse in enumerate(moe_layer_pattern(model_args)):
+        ours, theirs = f"decoder.layers.{i}.", f"model.layers.{i}."
+        table = [
+            (ours + "input_layernorm.weight", theirs + "input_layernorm.weight", False),
+            (ours + "pre_mlp_layernorm.weight", theirs + "post_attention_layernorm.weight", False),
+            (ours + "self_attention.linear_proj.weight", theirs + "self_attn.o_proj.weight", False),
+            (ours + "self_attention.q_layernorm.weight", theirs + "self_attn.q_norm.weight", False),
+            (ours + "self_attention.k_layernorm.weight", theirs + "self_attn.k_norm.weight", False),
+        ]
+        if sparse:
+            table.append((ours + "mlp.router.weight", theirs + "mlp.gate.weight", False))
+        _copy(src, dst, table, to_megatron)
+        qkv, names = f"{ours}self_attention.linear_qkv.weight", [f"{theirs}self_attn.{p}_proj.weight" for p in "qkv"]
+        if to_megatron:
+            dst[qkv] = fuse_qkv(*(src.pop(n) for n in names), groups)
+        else:
+            dst.update(zip(names, split_qkv(src.pop(qkv), heads, groups, head_dim)))
+        if sparse:
+            for ours_expert, theirs_expert in _expert_prefixes(model_args, i):
+                _swiglu_mlp(src, dst, ours_expert, theirs_expert, to_megatron)
+        else:
+            _swiglu_mlp(src, dst, ours + "mlp.", theirs + "mlp.", to_megatron)
+
+
+# transformers 5's in-memory Qwen3MoeExperts (modeling_qwen3_moe.py): a layer's experts as two 3D
+# tensors, gate_up_proj [E, 2 x moe_intermediate_size, hidden] (gate rows first) and down_proj
+# [E, hidden, moe_intermediate_size]; its checkpoints and save_pretrained keep one Linear per expert
+# (transformers/conversion_mapping.py: the qwen2_moe converters MergeModulelist + Concatenate).
+_FUSED_EXPERTS = re.compile(r"(model\.layers\.\d+\.mlp\.experts\.)(gate_up_proj|down_proj)")
+
+
+def _unfused_experts(state_dict: dict) -> dict:
+    """``state_dict`` with transformers' 3D expert tensors split into the per-expert names of a
+    checkpoint file (model.layers.{i}.mlp.experts.{e}.gate_proj.weight, ...), as views."""
+    out = {}
+    for key, value in state_dict.items():
+        fused = _FUSED_EXPERTS.fullmatch(key)
+        if fused is None:
+            out[key] = value
+            continue
+        prefix, kind = fused.groups()
+        for e, weight in enumerate(value.unbind(0)):
+            if kind == "down_proj":
+                out[f"{prefix}{e}.down_proj.weight"] = weight
+            else:
+                out[f"{prefix}{e}.gate_proj.weight"], out[f"{prefix}{e}.up_proj.weight"] = weight.chunk(2)
+    return out
+
+
 def _convert(src: _Tensors, model_args: dict, arch: str, to_megatron: bool) -> dict:
     """The whole state dict of one architecture, either way."""
     dst = {}
     ours = "embedding.word_embeddings.weight"
-    theirs = "model.embed_tokens.weight" if arch == "llama" else "transformer.wte.weight"
+    theirs = "transformer.wte.weight" if arch == "gpt2" else "model.embed_tokens.weight"
     embedding = src.pop(theirs if to_megatron else ours)
     if to_megatron:
         if embedding.shape[0] != model_args["vocab_size"]:
@@ -506,8 +817,9 @@ def _convert(src: _Tensors, model_args: dict, arch: str, to_megatron: bool) -> d
         dst[ours] = _pad_rows(embedding, model_args["padded_vocab_size"])
     else:
         dst[theirs] = embedding = embedding[: model_args["vocab_size"]].clone()
-    if arch == "llama":
-        _llama_layers(src, dst, model_args, to_megatron)
+    if arch in ("llama", "qwen3_moe"):
+        layers = _llama_layers if arch == "llama" else _qwen3_moe_layers
+        layers(src, dst, model_args, to_megatron)
         _copy(src, dst, [("decoder.final_layernorm.weight", "model.norm.weight", False)], to_megatron)
     else:
         _gpt2_layers(src, dst, model_args, to_megatron)
@@ -523,11 +835,15 @@ def _convert(src: _Tensors, model_args: dict, arch: str, to_megatron: bool) -> d
 
 
 def hf_to_megatron(hf_state_dict: dict, hf_config, make_vocab_size_divisible_by: int = 128) -> tuple[dict, dict]:
-    """(megatron state dict, model_args) of a LlamaForCausalLM or GPT2LMHeadModel checkpoint;
-    the vocabulary is padded to a multiple of ``make_vocab_size_divisible_by`` with zero rows."""
+    """(megatron state dict, model_args) of a LlamaForCausalLM, GPT2LMHeadModel or Qwen3MoeForCausalLM
+    checkpoint (Qwen3-MoE experts as the files store them, one Linear each, or as transformers holds them
+    in memory, 3D); the vocabulary is padded to a multiple of ``make_vocab_size_divisible_by`` with zero rows."""
     cfg = _as_config(hf_config)
     if cfg.model_type == "llama":
         args = _llama_args(cfg, make_vocab_size_divisible_by)
+    elif cfg.model_type == "qwen3_moe":
+        args = _qwen3_moe_args(cfg, make_vocab_size_divisible_by)
+        hf_state_dict = _unfused_experts(hf_state_dict)
     elif cfg.model_type == "gpt2":
         args = _gpt2_args(cfg, make_vocab_size_divisible_by)
         # The original GPT-2 files name GPT2Model's tensors without the "transformer." prefix.
@@ -535,14 +851,19 @@ def hf_to_megatron(hf_state_dict: dict, hf_config, make_vocab_size_divisible_by:
             k if k.startswith(("transformer.", "lm_head.")) else "transformer." + k: v for k, v in hf_state_dict.items()
         }
     else:
-        _refuse("model_type", cfg.model_type, "only llama (LlamaForCausalLM) and gpt2 (GPT2LMHeadModel) convert")
+        _refuse(
+            "model_type",
+            cfg.model_type,
+            "only llama (LlamaForCausalLM), gpt2 (GPT2LMHeadModel) and qwen3_moe (Qwen3MoeForCausalLM) convert",
+        )
     src = _Tensors(hf_state_dict, f"Hugging Face {cfg.model_type} state dict", IGNORED[cfg.model_type])
     return _convert(src, args, cfg.model_type, to_megatron=True), args
 
 
 def megatron_to_hf(state_dict: dict, model_args: dict, config_overrides: dict | None = None):
-    """(HF state dict as save_pretrained writes it, HF config) of a whole GPTModel: Llama when
-    model_args has swiglu, else GPT-2. ``config_overrides`` sets what megatron does not carry
+    """(HF state dict as save_pretrained writes it, HF config) of a whole GPTModel: Qwen3-MoE when
+    model_args has num_experts, else Llama when it has swiglu, else GPT-2 (``architecture``).
+    ``config_overrides`` sets what megatron does not carry
     (bos_token_id, eos_token_id, ...). Padded vocabulary rows are sliced off."""
     args = _resolved(model_args)
     _refuse_unsupported(args)
@@ -555,8 +876,8 @@ def megatron_to_hf(state_dict: dict, model_args: dict, config_overrides: dict | 
     if model_args.get("padded_vocab_size") not in (None, rows) or rows < args["vocab_size"]:
         _refuse("padded_vocab_size", model_args.get("padded_vocab_size"), f"the embedding has {rows} rows")
     args["padded_vocab_size"] = rows
-    arch = "llama" if args["swiglu"] else "gpt2"
-    config = _llama_config(args) if arch == "llama" else _gpt2_config(args)
+    arch = architecture(args)
+    config = {"llama": _llama_config, "gpt2": _gpt2_config, "qwen3_moe": _qwen3_moe_config}[arch](args)
     config.dtype = embedding.dtype  # what save_pretrained records: the dtype of the weights
     for key, value in (config_overrides or {}).items():
         setattr(config, key, value)
