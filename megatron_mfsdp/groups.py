@@ -24,6 +24,16 @@ def group_size(group) -> int:
     return dist.get_world_size(group) if group is not None else 1
 
 
+def gather_objects(value, group) -> list:
+    """``value`` of every rank of ``group``, in group rank order (picklable values; [value] for None or
+    a group of one). Collective over ``group``."""
+    if group_size(group) == 1:
+        return [value]
+    out = [None] * group_size(group)
+    dist.all_gather_object(out, value, group=group)
+    return out
+
+
 def group_rank(group) -> int:
     """This process's rank in a group; 0 for None."""
     return dist.get_rank(group) if group is not None else 0

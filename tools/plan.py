@@ -236,25 +236,67 @@ def domain_units(args) -> dict[str, list]:
     return out
 
 
-def plan_from_args(args, domain: str = "dense"):
+def plan_from_args(args, domain: str = "dense", dense=None):
     """(planner specs, plan) of the (validated) flags in one shard domain: dense over DP /
     --mfsdp-replicate-size owners, experts over expert DP (world / (EP x expert TP)) / its
-    gcd(--mfsdp-replicate-size, expert DP) replicas (megatron_mfsdp/groups.py)."""
+    gcd(--mfsdp-replicate-size, expert DP) replicas (megatron_mfsdp/groups.py), each owner's dense
+    load (``dense``: the dense plan, planned here when not given) balanced against, as the runtime
+    does (runtime/wrapper.py: _dense_loads) for the expert-DP group of global rank 0."""
     import math
 
     from megatron_mfsdp.placement import plan_units
 
     specs = specs_from_args(args, domain_units(args)[domain])
     world = args.data_parallel_size // args.mfsdp_replicate_size
+    base = None
     if domain == "expert":
         expert_dp = args.tensor_model_parallel_size * args.data_parallel_size
         expert_dp //= args.expert_model_parallel_size * (
             args.expert_tensor_parallel_size or args.tensor_model_parallel_size
         )
         world = expert_dp // math.gcd(args.mfsdp_replicate_size, expert_dp)
-    plan = plan_units(specs, world, args.mfsdp_planner)
+        base = expert_base(args, dense if dense is not None else plan_from_args(args)[1], world)
+    plan = plan_units(specs, world, args.mfsdp_planner, base)
     plan.element_size = 2 if args.bf16 or args.fp16 else 4
     return specs, plan
+
+
+def total_line(base, experts) -> str:
+    """The expert owners' balance over both domains: dense load (``base``) plus expert load, per rank."""
+    from megatron_mfsdp.placement.layout import balance
+
+    weight = [b + e for b, e in zip(base.weight, experts.per_rank_weight())]
+    cost = [b + e for b, e in zip(base.cost, experts.cost_per_rank)]
+    return (
+        f"both domains (dense + experts) on the expert owners of rank 0's group: max/mean bytes {balance(weight):.3f}, "
+        f"NS flops {balance(cost):.3f}"
+    )
+
+
+def expert_base(args, dense, owners: int):
+    """The dense loads of the expert owners of global rank 0's expert shard group, the largest over its
+    expert TP peers' groups: megatron-core's rank generators (parallel_state.RankGenerator, one pipeline
+    stage) place the ranks, groups.py splits the DP groups into shards."""
+    from megatron.core.parallel_state import RankGenerator
+
+    from megatron_mfsdp.placement.planner import RankLoads
+
+    tp, dp, ep = args.tensor_model_parallel_size, args.data_parallel_size, args.expert_model_parallel_size
+    etp = args.expert_tensor_parallel_size or tp
+    order = args.parallel_order
+    dense_groups = RankGenerator(tp, 1, dp, 1, 1, order).get_ranks("dp")
+    expert_gen = RankGenerator(etp, ep, tp * dp // (ep * etp), 1, 1, order)
+    shard_of = {r: i % dense.world_size for g in dense_groups for i, r in enumerate(g)}  # dense shard rank
+    expert_groups = expert_gen.get_ranks("dp")
+    peers = next(g for g in expert_gen.get_ranks("tp") if 0 in g)
+    cost, weight = [0] * owners, [0] * owners
+    for group in (g for g in expert_groups if set(g) & set(peers)):
+        first = next(r for r in group if r in peers)
+        start = group.index(first) // owners * owners  # the shard holding the peer (groups.py's split)
+        for i, r in enumerate(group[start : start + owners]):
+            cost[i] = max(cost[i], dense.cost_per_rank[shard_of[r]])
+            weight[i] = max(weight[i], dense.per_rank_weight()[shard_of[r]])
+    return RankLoads(tuple(cost), tuple(weight))
 
 
 def report(args, specs, plan, domain: str = "dense") -> str:
@@ -360,9 +402,10 @@ def run(argv: list[str] | None = None) -> int:
     args = parse(argv)
     specs, plan = plan_from_args(args)
     print(report(args, specs, plan))
-    experts = plan_from_args(args, "expert") if "expert" in domain_units(args) else None
+    experts = plan_from_args(args, "expert", plan) if "expert" in domain_units(args) else None
     if experts:
         print(report(args, *experts, domain="expert"))
+        print(total_line(expert_base(args, plan, experts[1].world_size), experts[1]))
     if args.traffic:
         print(traffic(args, plan)[0])
         if experts:

@@ -5,7 +5,7 @@ imports a model."""
 
 from .classes import SLICE, WHOLE, RuleKind, RuleSet, parse_rule
 from .layout import LocalPiece, ParamSlot, ParamSpec, Plan, UnitLayout, UnitSpec, balance
-from .planner import POLICIES, plan_units
+from .planner import POLICIES, RankLoads, plan_units
 from .specs import unit_specs
 from .verify import GATHER, REDUCE, check_signature, verify_plan_agreement
 
@@ -19,6 +19,7 @@ __all__ = [
     "balance",
     "POLICIES",
     "plan_units",
+    "RankLoads",
     "unit_specs",
     "SLICE",
     "WHOLE",

@@ -16,17 +16,32 @@ Every rank starts with an even share of the tail's elements.
           either. Deterministic: same inputs, same plan on every rank.
 
 'greedy' and 'global' are kept as they were (without search) to reproduce older plans.
+
+A plan over a group whose ranks already hold loads in another shard domain (the experts over expert
+DP, after the dense plan) starts each rank from its load there (``base``): the global construction
+then balances each rank's total (joint_owners).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from .classes import WHOLE
 from .layout import ParamSpec, Plan, UnitSpec, layout_units
 from .search import OwnerSearch
 
 POLICIES = ("greedy", "global", "auto")
+
+
+@dataclass(frozen=True)
+class RankLoads:
+    """Per rank of a plan's group, what it holds elsewhere: planner cost (Newton-Schulz multiply-adds)
+    and weight (elements plus extra state, ParamSpec.weight), as Plan.cost_per_rank and
+    Plan.per_rank_weight count them."""
+
+    cost: tuple[int, ...]
+    weight: tuple[int, ...]
 
 
 def _assign_owners(
@@ -103,8 +118,23 @@ def _auto(units: Sequence[UnitSpec], world_size: int) -> Plan:
     return candidates[min(range(len(candidates)), key=lambda i: (keys[i], i))]
 
 
-def plan_units(units: Sequence[UnitSpec], world_size: int, policy: str = "auto") -> Plan:
-    """Assign every WHOLE parameter an owner among ``world_size`` DP ranks and lay out each unit."""
+def joint_owners(units: Sequence[UnitSpec], world_size: int, base: RankLoads) -> dict[str, int]:
+    """The owner of every WHOLE parameter by the global construction, each rank starting from ``base``:
+    what it already holds in another shard domain (a rank is in both), so each rank's total is balanced."""
+    all_params = [p for u in units for p in u.params]
+    matrices = [p for p in all_params if p.storage == WHOLE]
+    tail_total = sum(p.numel for p in all_params if p.storage != WHOLE)
+    cost_load = [float(c) for c in base.cost]
+    bytes_load = [w + tail_total / world_size for w in base.weight]
+    totals = (sum(cost_load) + sum(p.cost for p in matrices), sum(bytes_load) + sum(p.weight for p in matrices))
+    return _assign_owners(matrices, world_size, cost_load, bytes_load, *totals)
+
+
+def plan_units(units: Sequence[UnitSpec], world_size: int, policy: str = "auto", base: RankLoads | None = None) -> Plan:
+    """Assign every WHOLE parameter an owner among ``world_size`` DP ranks and lay out each unit.
+    With ``base`` (each rank's load in another shard domain: the experts' plan over expert DP is made
+    after the dense one) every policy is the global construction from those loads, unsearched: the
+    search's moves assume ranks that differ only by what they own here."""
     if world_size < 1:
         raise ValueError(f"data-parallel size must be >= 1, got {world_size}")
     names = [p.name for u in units for p in u.params]
@@ -112,6 +142,10 @@ def plan_units(units: Sequence[UnitSpec], world_size: int, policy: str = "auto")
         raise ValueError("a parameter appears in two units")
     if policy not in POLICIES:
         raise ValueError(f"unknown planner policy {policy!r} (--mfsdp-planner); choose one of {', '.join(POLICIES)}")
+    if base is not None:
+        if len(base.cost) != world_size or len(base.weight) != world_size:
+            raise ValueError(f"base loads of {len(base.cost)} ranks for a plan over {world_size}")
+        return layout_units(units, world_size, joint_owners(units, world_size, base), "global+joint")
     if policy == "auto":
         return _auto(units, world_size)
     return layout_units(units, world_size, constructive_owners(units, world_size, policy), policy)

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from ..groups import group_rank, group_size
 from ..placement.layout import Plan, UnitSpec
-from ..placement.planner import plan_units
+from ..placement.planner import RankLoads, plan_units
 from ..placement.verify import verify_plan_agreement
 from .comm import SegmentComm
 
@@ -77,15 +77,17 @@ def build_domain(
     ddp_config,
     averaged_over: int | None,
     tp=None,
+    base: RankLoads | None = None,
     **comm_kwargs,
 ) -> ShardDomain:
     """Plan ``specs`` over ``shard`` and check that every rank of ``shard`` and of ``tp`` (a matrix's
-    TP shards must share one owner) computed the same plan; then the
+    TP shards must share one owner) computed the same plan (``base``: each rank of ``shard``'s load in
+    another domain, which the owners balance against: placement/planner.py); then the
     domain's comm (``comm_kwargs``: SegmentComm's verify, device, reduce_order) and scaling:
     1 / ``averaged_over``, the data-parallel ranks the loss is averaged over (None: 1, a per-token
     loss). Collective over those groups."""
     world = group_size(shard)
-    plan = plan_units(specs, world, ddp_config.planner)
+    plan = plan_units(specs, world, ddp_config.planner, base)
     for group in (shard, tp):
         verify_plan_agreement(plan, group)
     comm = SegmentComm(shard=shard, replica=replica, **comm_kwargs)

@@ -27,9 +27,10 @@ from torch.utils._pytree import tree_flatten
 
 from ..checkpoint import boxes
 from ..config import MatrixFSDPConfig
-from ..groups import ProcessGroups
+from ..groups import ProcessGroups, gather_objects
 from ..models import ModelAdapter, ModelUnit, adapter_for
 from ..placement.layout import UnitLayout, UnitSpec
+from ..placement.planner import RankLoads
 from ..placement.specs import unit_specs
 from ..precision import UnitCodec, fp8_slot_names, new_fp8_state, te_available, te_float8_weight
 from ..profiling import GATHER, REDUCE, WAIT, profile_range
@@ -196,22 +197,32 @@ class MatrixFSDP(torch.nn.Module):
                 "layout's rebuild of expert matrices over expert data parallelism is not built yet"
             )
         per_token = getattr(self.config, "calculate_per_token_loss", False)
+        shard = self.groups.expt_dp if self.groups.expt_dp_shard is None else self.groups.expt_dp_shard
         domain = build_domain(
             name,
-            (self.groups.expt_dp if self.groups.expt_dp_shard is None else self.groups.expt_dp_shard)
-            if expert
-            else self.groups.dp_shard,
+            shard if expert else self.groups.dp_shard,
             self.groups.expt_replica if expert else self.groups.replica,
             specs,
             self.ddp_config,
             averaged_over=None if per_token else self.groups.dp_shard_size * self.groups.replica_size,
             tp=self.groups.expt_tp if expert else self.groups.tp,
+            base=self._dense_loads(shard) if expert else None,
             verify=self.ddp_config.verify_collectives,
             device=self.device,
             reduce_order=self.ddp_config.reduce_order,
         )
         domain.plan.element_size = torch.empty(0, dtype=self.param_dtype).element_size()
         return domain
+
+    def _dense_loads(self, shard) -> RankLoads:
+        """What each rank of the expert shard group ``shard`` owns in the dense domain (its plan's cost and
+        weight at that rank's dense DP rank), so the experts' owners balance each rank's total. Taken
+        elementwise at its largest over the expert TP group, whose ranks must plan alike. Collective."""
+        dense, rank = self.domains[DENSE].plan, self.domains[DENSE].dp_rank
+        members = gather_objects((dense.cost_per_rank[rank], dense.per_rank_weight()[rank]), shard)
+        peers = gather_objects(members, self.groups.expt_tp)
+        members = [tuple(max(values) for values in zip(*column)) for column in zip(*peers)]
+        return RankLoads(tuple(c for c, _ in members), tuple(w for _, w in members))
 
     @property
     def dense(self) -> ShardDomain:

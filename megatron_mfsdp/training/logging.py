@@ -104,12 +104,10 @@ def flops_per_iteration(args, batch_size: int, vocab_size: int) -> float:
 
 
 def moe_layer_pattern(args) -> list[bool]:
-    """Which layers are MoE layers (--moe-layer-freq: every N-th from the first, or a 0/1 pattern, as
-    megatron-core's get_gpt_decoder_block_spec reads it); none for a dense model."""
-    if not getattr(args, "num_experts", None):
-        return [False] * args.num_layers
-    freq = args.moe_layer_freq
-    return [bool(f) for f in freq] if isinstance(freq, list) else [i % freq == 0 for i in range(args.num_layers)]
+    """Which layers of a parsed namespace are MoE layers (models/gpt/config.py reads --moe-layer-freq)."""
+    from ..models.gpt.config import moe_layer_pattern as pattern
+
+    return pattern(vars(args))
 
 
 def moe_layer_count(args) -> int:

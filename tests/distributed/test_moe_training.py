@@ -87,6 +87,7 @@ def _moe_matrix_fsdp_worker(
         "plan": [(slot.name, slot.rule, slot.storage, slot.owner) for u in ddp.plan.units for slot in u.slots],
         "domains": {name: [u.layout.name for u in d.units] for name, d in ddp.domains.items()},
         "domain_sizes": {name: (d.dp_size, d.replica_size) for name, d in ddp.domains.items()},
+        "policies": {name: d.plan.policy for name, d in ddp.domains.items()},
         "stepped": sorted(o.global_name for o in opt.owned_pieces() if o.rule == "muon"),
         "stepped_tp": sorted((o.global_name, o.tp_rank) for o in opt.owned_pieces() if o.rule == "muon"),
         "bytes": {**ddp.local_bytes(), **opt.local_bytes()},
@@ -158,6 +159,7 @@ def test_matrix_fsdp_ep2_dp2_experts_on_expert_dp_owners_match_one_process(one4)
     assert one["losses"][-1] < one["losses"][0], one["losses"]
     for r in ep2:
         assert list(r["domains"]) == ["dense", "expert"] and len(r["domains"]["expert"]) == 2, r["domains"]
+        assert r["policies"]["expert"] == "global+joint"  # planned from each owner's dense load
         torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(one["losses"]), atol=1e-5, rtol=0)
         assert all(calls == [("all_reduce", 2)] for calls in r["step_calls"]), r["step_calls"]
     full = {**ep2[1]["full"], **ep2[0]["full"]}  # ranks 0 and 1: EP ranks 0 and 1, experts 0-1 and 2-3

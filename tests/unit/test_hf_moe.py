@@ -159,7 +159,7 @@ def test_model_args_are_megatron_dests(converted):
 def test_layer_pattern_maps_both_ways():
     """HF counts decoder_sparse_step from layer 1, megatron's integer --moe-layer-freq from layer 0: an
     integer frequency of 2 goes to HF as mlp_only_layers, HF's step 2 comes back as a step."""
-    args = {"num_layers": 4, "moe_layer_freq": 2}
+    args = {"num_layers": 4, "moe_layer_freq": 2, "num_experts": 4}
     assert hf.moe_layer_pattern(args) == [True, False, True, False]
     assert hf._qwen3_moe_sparsity([True, False, True, False]) == {"decoder_sparse_step": 1, "mlp_only_layers": [1, 3]}
     assert hf._qwen3_moe_sparsity([False, True, False, True]) == {"decoder_sparse_step": 2, "mlp_only_layers": []}

@@ -93,15 +93,16 @@ def test_expert_domain_busiest_rank_per_call_within_5_percent_of_zero3_at_expert
     """Issue 28's bytes claim: the real planner's expert plan (128 experts at EP 8: 16 local experts,
     32 matrices per MoE layer, no tail) through every expert-DP rank's SegmentComm; per call the busiest
     rank moves at most 1.05x ZeRO-3's bytes per rank, or the W/(W-1) floor of a rank that owns none of
-    the unit (1.016 at 64: 16 of the 64 ranks own a unit's 32 matrices)."""
+    the unit (1.016 at 64: at most 32 of the 64 ranks own a part of a unit's 32 matrices). The plan is
+    the joint one (each owner's dense load balanced against), whose unequal parts cost 1.044 at 16."""
     rows, gather, reduce = _expert_traffic(expert_dp)
     floor = expert_dp / (expert_dp - 1)
     for r in rows:
         assert r.as_predicted, r  # every rank's charges equal runtime/traffic.py's prediction
-        assert r.parts == min(expert_dp, 16) and r.gather_calls == r.reduce_calls == r.parts  # no tail
+        assert r.parts <= min(expert_dp, 32) and r.gather_calls == r.reduce_calls == r.parts  # no tail
         assert r.transient <= 4 * r.numel, r  # one unit's fp32 gradient
     assert gather <= max(1.05, floor * 1.0001) and reduce <= max(1.05, floor * 1.0001), (gather, reduce)
-    assert gather <= 1.05 and reduce <= 1.05  # 1.000 where every rank owns a part (4, 16); the floor 1.016 at 64
+    assert gather <= 1.05 and reduce <= 1.05  # measured 1.000, 1.044 (owners uneven by their dense loads), 1.016
 
 
 def test_run_prints_the_expert_domain_traffic_after_the_dense_one():
@@ -120,7 +121,7 @@ def test_run_prints_the_expert_domain_traffic_after_the_dense_one():
 def test_expert_controls_one_owner_and_the_chain_through_it_exceed_the_bound(expert_dp):
     """Negative controls, so the bound above is no formality. Every expert matrix on one owner, in ring
     order: a rank that owns nothing receives the whole unit, W/(W-1) of ZeRO-3 (1.333 and 1.067 at 4 and
-    16, above 1.05, where the real plan is at 1.000; at 64 the real plan is at that floor too). The same
+    16, above 1.05, where the real plan is at 1.000 and 1.044; at 64 the real plan is at that floor too). The same
     plan in rank order with that owner in the middle of the chain (runtime/chain.py: it receives its
     part's partial sum and then the rest) doubles its reduction, 2W/(W-1) of ZeRO-3, above the bound."""
     floor = expert_dp / (expert_dp - 1)

@@ -19,6 +19,21 @@ from collections.abc import Mapping
 import torch
 
 
+def moe_layer_pattern(dests: Mapping) -> list[bool]:
+    """Which layers are MoE layers: --moe-layer-freq N (layers 0, N, 2N, ...) or a 0/1 list, as megatron-core's
+    get_gpt_decoder_block_spec reads it (models/gpt/gpt_layer_specs.py at core_v0.16.1); none without
+    --num-experts. The one reading of the flag (the log's MoE counts, tools/plan.py, hf.py)."""
+    layers = dests["num_layers"]
+    if not dests.get("num_experts"):
+        return [False] * layers
+    freq = dests.get("moe_layer_freq", 1)
+    if isinstance(freq, int):
+        return [i % freq == 0 for i in range(layers)]
+    if len(freq) != layers:
+        raise ValueError(f"moe_layer_freq {freq}: one entry per layer is needed (num_layers={layers})")
+    return [bool(f) for f in freq]
+
+
 def _activation(dests: Mapping) -> dict:
     import torch.nn.functional as F
 

@@ -304,14 +304,18 @@ def _gpt2_args(cfg, divisible_by: int) -> dict:
 
 
 def moe_layer_pattern(model_args: dict) -> list[bool]:
-    """Which layers are MoE layers: --moe-layer-freq N (layers 0, N, 2N, ...) or a 0/1 list, as
-    megatron-core's get_gpt_decoder_block_spec reads it (models/gpt/gpt_layer_specs.py at core_v0.16.1)."""
-    freq, layers = model_args["moe_layer_freq"], model_args["num_layers"]
-    if isinstance(freq, int):
-        return [i % freq == 0 for i in range(layers)]
-    if len(freq) != layers:
-        _refuse("moe_layer_freq", freq, f"one entry per layer is needed (num_layers={layers})")
-    return [bool(f) for f in freq]
+    """Which layers are MoE layers (config.py reads --moe-layer-freq); a pattern of another length is
+    refused naming the setting."""
+    from .config import moe_layer_pattern as pattern
+
+    try:
+        return pattern(model_args)
+    except ValueError:
+        _refuse(
+            "moe_layer_freq",
+            model_args["moe_layer_freq"],
+            f"one entry per layer is needed (num_layers={model_args['num_layers']})",
+        )
 
 
 def _qwen3_moe_pattern(cfg) -> list[bool]:
