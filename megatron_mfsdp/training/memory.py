@@ -139,8 +139,9 @@ def theoretical_memory(args, num_microbatches=None) -> tuple[list[str], float]:
     return out, weights
 
 
-def owner_bytes(chunks, optimizer, dp_rank: int) -> dict[str, int]:
-    """What DP rank ``dp_rank`` of the chunks' plans holds for the whole run: its parameter segment
+def owner_bytes(chunks, optimizer, dp_rank: int, domain: str = "dense") -> dict[str, int]:
+    """What rank ``dp_rank`` of the chunks' plans in shard ``domain`` ("dense" over DP, "expert" over
+    expert DP) holds for the whole run: its parameter segment
     (parameter dtype), its fp32 gradient segment, fp32 masters where the parameters are not fp32,
     and each piece's rule state (the rule's own count: Adam two moments, Muon and SGD one momentum,
     a factored rule its factors). ``optimizer``: its config, or an
@@ -152,12 +153,13 @@ def owner_bytes(chunks, optimizer, dp_rank: int) -> dict[str, int]:
 
     config = MatrixFSDPOptimizerConfig(optimizer=optimizer) if isinstance(optimizer, str) else optimizer
     held = dict(params=0, grads=0, masters=0, optimizer_state=0)
-    for chunk in chunks:
+    for chunk in (c for c in chunks if domain in c.domains):
         masters = 0 if chunk.param_dtype == torch.float32 else 4
         rules = registry.rule_set((), config, chunk.ddp_config.layout)
-        for unit in chunk.plan.units:
+        plan = chunk.domains[domain].plan
+        for unit in plan.units:
             for piece in unit.local_pieces(dp_rank):
-                held["params"] += piece.numel * chunk.plan.element_size
+                held["params"] += piece.numel * plan.element_size
                 held["grads"] += piece.numel * 4
                 held["masters"] += piece.numel * masters
                 rule = registry.get(rules.update_rule(piece.slot.rule))
@@ -167,21 +169,29 @@ def owner_bytes(chunks, optimizer, dp_rank: int) -> dict[str, int]:
 
 
 def _owner_figures(args, chunks, optimizer, groups) -> tuple | None:
-    """This rank's part of the owner line: the busiest DP rank of its plans (predicted) and what
-    this rank holds (measured: MatrixFSDP.local_bytes and the optimizer's local_bytes)."""
-    if not all(hasattr(c, "plan") for c in chunks):
+    """This rank's part of the owner lines: what its plans say it holds (predicted, both shard domains),
+    its dense DP rank and size, its pipeline stage, what it holds (measured: MatrixFSDP.local_bytes and
+    the optimizer's local_bytes), and at EP above 1 (its expert bytes, ZeRO-3's even share of them)."""
+    if not all(hasattr(c, "domains") for c in chunks):
         return None
-    world = chunks[0].plan.world_size
-    per_rank = [owner_bytes(chunks, getattr(optimizer, "config", args.optimizer), r) for r in range(world)]
-    busiest = max(range(world), key=lambda r: sum(per_rank[r].values()))
+    config = getattr(optimizer, "config", args.optimizer)
+    dense = chunks[0].domains["dense"]
+    held = owner_bytes(chunks, config, dense.dp_rank)
+    experts = None
+    if "expert" in chunks[0].domains:
+        domain = chunks[0].domains["expert"]
+        mine = owner_bytes(chunks, config, domain.dp_rank, "expert")
+        held = {k: v + mine[k] for k, v in held.items()}
+        every = [sum(owner_bytes(chunks, config, r, "expert").values()) for r in range(domain.dp_size)]
+        experts = (sum(mine.values()), sum(every) / len(every))
     measured = sum(sum(c.local_bytes().values()) for c in chunks) + sum(optimizer.local_bytes().values())
-    return per_rank[busiest], busiest, world, group_rank(groups.pp), measured
+    return held, dense.dp_rank, dense.dp_size, group_rank(groups.pp), measured, experts
 
 
 def owner_line(everyone: list, megatron_mb: float) -> str:
     """Ours, after Megatron's line: the plans' busiest rank, and the bytes every rank holds."""
     mb = NUM_BYTES_IN_MEGABYTE
-    held, dp_rank, world, stage, _ = max(everyone, key=lambda f: sum(f[0].values()))
+    held, dp_rank, world, stage = max(everyone, key=lambda f: sum(f[0].values()))[:4]
     total = sum(held.values())
     measured = [f[4] for f in everyone]
     top = max(range(len(measured)), key=measured.__getitem__)
@@ -195,6 +205,22 @@ def owner_line(everyone: list, megatron_mb: float) -> str:
     )
 
 
+def expert_line(everyone: list) -> str | None:
+    """The experts' part of the busiest rank's bytes against ZeRO-3's even split of the same experts
+    over expert DP; None without an expert domain."""
+    figures = [f[5] for f in everyone if len(f) > 5 and f[5] is not None]
+    if not figures:
+        return None
+    mb = NUM_BYTES_IN_MEGABYTE
+    top = max(range(len(figures)), key=lambda i: figures[i][0])
+    held, even = figures[top]
+    return (
+        f"Theoretical memory footprints, experts: the busiest rank holds {held / mb:.2f} MB of expert weights, "
+        f"gradients, masters and optimizer state; ZeRO-3's even split over expert DP {even / mb:.2f} MB "
+        f"(x{held / even if even else 0:.3f})"
+    )
+
+
 def report(args, chunks, optimizer, groups, iteration: int, num_microbatches: int) -> None:
     """Collective. After a logged iteration, as Megatron-LM's training_log: rank 0 prints the
     theoretical footprints (and ours for the owner layout), then every DP rank 0 its memory."""
@@ -205,7 +231,7 @@ def report(args, chunks, optimizer, groups, iteration: int, num_microbatches: in
     if dist.get_rank() == 0:
         lines, weights = theoretical_memory(args, num_microbatches)
         if all(f is not None for f in everyone):
-            lines.append(owner_line(everyone, weights))
+            lines += [line for line in (owner_line(everyone, weights), expert_line(everyone)) if line]
         for line in lines:
             print(line, flush=True)
     report_memory(f"(after {iteration} iterations)", groups)

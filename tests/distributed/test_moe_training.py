@@ -91,7 +91,19 @@ def _moe_matrix_fsdp_worker(
         "stepped": sorted(o.global_name for o in opt.owned_pieces() if o.rule == "muon"),
         "stepped_tp": sorted((o.global_name, o.tp_rank) for o in opt.owned_pieces() if o.rule == "muon"),
         "bytes": {**ddp.local_bytes(), **opt.local_bytes()},
+        "predicted": _predicted(ddp),
     }
+
+
+def _predicted(ddp) -> dict:
+    """What the plans say this rank holds (training/memory.py: owner_bytes), over both shard domains."""
+    from megatron_mfsdp.training.memory import owner_bytes
+
+    held = {}
+    for name, domain in ddp.domains.items():
+        for key, value in owner_bytes([ddp], "muon", domain.dp_rank, name).items():
+            held[key] = held.get(key, 0) + value
+    return held
 
 
 @pytest.fixture(scope="module")
@@ -160,6 +172,7 @@ def test_matrix_fsdp_ep2_dp2_experts_on_expert_dp_owners_match_one_process(one4)
     for r in ep2:
         assert list(r["domains"]) == ["dense", "expert"] and len(r["domains"]["expert"]) == 2, r["domains"]
         assert r["policies"]["expert"] == "global+joint"  # planned from each owner's dense load
+        assert r["predicted"] == r["bytes"], (r["predicted"], r["bytes"])  # the start-up figure, both domains
         torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(one["losses"]), atol=1e-5, rtol=0)
         assert all(calls == [("all_reduce", 2)] for calls in r["step_calls"]), r["step_calls"]
     full = {**ep2[1]["full"], **ep2[0]["full"]}  # ranks 0 and 1: EP ranks 0 and 1, experts 0-1 and 2-3

@@ -139,6 +139,7 @@ def test_matrix_fsdp_ep2_pretrain_matches_one_process_and_resumes_at_ep1(tmp_pat
     )  # fmt: skip
     worst = _close(train_losses(ep2[-1]), reference)
     assert "EP=2 (2 experts per rank) x expert TP=1 x expert DP=2" in ep2[0]["stdout"]
+    assert "Theoretical memory footprints, experts: the busiest rank holds" in ep2[0]["stdout"]
     (save / "latest_checkpointed_iteration.txt").write_text("3")
     print(f"\nMatrixFSDP EP2 x expert DP2: max lm loss delta vs 1 rank = {worst:.2e}")
     for nproc, layout in ((1, []), (4, ["--expert-model-parallel-size", "4"])):

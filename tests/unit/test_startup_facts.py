@@ -279,6 +279,13 @@ def test_owner_line_names_the_busiest_rank_and_the_measured_spread():
     assert "(DP rank 3 of 4, pipeline stage 1: params=2.00 MB, fp32 grads=2.00 MB" in line
     assert "x0.500 of Megatron's figure" in line
     assert line.endswith("measured per rank: max 6.00 MB (rank 1), min 4.00 MB")
+    assert memory.expert_line(everyone) is None  # no expert domain
+    experts = [(*everyone[0], (3 * MB, 2 * MB)), (*everyone[1], (2 * MB, 2 * MB))]
+    assert memory.expert_line(experts) == (
+        "Theoretical memory footprints, experts: the busiest rank holds 3.00 MB of expert weights, gradients, "
+        "masters and optimizer state; ZeRO-3's even split over expert DP 2.00 MB (x1.500)"
+    )
+    assert memory.owner_line(experts, megatron_mb=16.0) == line
 
 
 # ---------------------------------------------------------------------------- memory line
