@@ -160,16 +160,18 @@ class MatrixFSDPOptimizer(MegatronOptimizer):
             }
         return groups
 
-    def _group_matrices(self, config, param_groups) -> list[list[GroupMatrix]]:
-        """Per lr group (in order), every rank's parameters of it with their per-rank bounds: what a
-        rule that rebuilds whole matrices over the DP shard group needs (StepContext.matrices)."""
-        members: dict[tuple, list[GroupMatrix]] = {key: [] for key in param_groups}
+    def _group_matrices(self, config, param_groups) -> list[dict[str, list[GroupMatrix]]]:
+        """Per lr group (in order), per shard domain ("dense", then "expert" where there is one), every
+        rank's parameters of it with their per-rank bounds over that domain's shard group: what a rule
+        that rebuilds whole matrices over the group needs (StepContext.matrices)."""
+        domains = list(self.model_chunks[0].domains)
+        members = {key: {name: [] for name in domains} for key in param_groups}
         for chunk in self.model_chunks:
             for unit in chunk.units:
                 for slot, param in unit.params:
                     bounds = tuple(unit.layout.param_bounds(slot))
                     matrix = GroupMatrix(_global_slot_name(chunk, slot), tuple(slot.shape), slot.split_rows, bounds)
-                    members[self._group_key(config, chunk, slot, param)].append(matrix)
+                    members[self._group_key(config, chunk, slot, param)][unit.domain.name].append(matrix)
         return list(members.values())
 
     def _add_pieces(self, config, chunk, param_groups) -> None:
@@ -352,18 +354,37 @@ class MatrixFSDPOptimizer(MegatronOptimizer):
     def step_with_ready_grads(self) -> bool:
         self.step_count += 1
         before = [u.master.clone() for u in self._fp8_units] if self.fp8_track_error else None
-        dp_group = self.model_chunks[0].groups.dp_shard
         for group, matrices in zip(self.optimizer.param_groups, self._matrices):
             rule = registry.get(group["optimizer"])
-            if group["params"] or rule.collective:
-                ctx = StepContext(
-                    self.config, self.step_count, group["lr"], group["weight_decay"], self.tp_group, dp_group, matrices
-                )
-                ctx.settings = rule.settings_in(self.config)
-                with profile_range(RULE.format(rule.name)):
-                    rule.step(group["params"], ctx)
+            if not (group["params"] or rule.collective):
+                continue
+            with profile_range(RULE.format(rule.name)):
+                for params, ctx in self._step_calls(group, matrices, rule):
+                    rule.step(params, ctx)
         self._sync_model_from_masters(after_step=True, before=before)
         return True
+
+    def _step_calls(self, group, matrices: dict[str, list[GroupMatrix]], rule):
+        """(pieces, StepContext) of each call of ``rule`` on an lr group: one call on the owner's pieces;
+        a collective rule (the even layout's) once per shard domain, over that domain's shard group with
+        its matrices, dense first on every rank."""
+        domains = self.model_chunks[0].domains
+
+        def context(shard, members):
+            ctx = StepContext(
+                self.config, self.step_count, group["lr"], group["weight_decay"], self.tp_group, shard, members
+            )
+            ctx.settings = rule.settings_in(self.config)
+            return ctx
+
+        if not rule.collective:
+            return [(group["params"], context(domains["dense"].shard, [m for ms in matrices.values() for m in ms]))]
+        calls = []
+        for name, members in matrices.items():
+            names = {m.global_name for m in members}
+            mine = [p for p in group["params"] if p.global_name in names]
+            calls.append((mine, context(domains[name].shard, members)))
+        return calls
 
     @torch.no_grad()
     def step(self):

@@ -191,11 +191,6 @@ class MatrixFSDP(torch.nn.Module):
         holding its EP peers' tokens. With a per-token loss the schedule's finalize step divides by the
         global token count instead (megatron's calculate_per_token_loss)."""
         expert = name == EXPERT
-        if expert and self.ddp_config.layout != "owner":
-            raise ValueError(
-                f"--mfsdp-layout {self.ddp_config.layout} with --expert-model-parallel-size above 1: the even "
-                "layout's rebuild of expert matrices over expert data parallelism is not built yet"
-            )
         per_token = getattr(self.config, "calculate_per_token_loss", False)
         shard = self.groups.expt_dp if self.groups.expt_dp_shard is None else self.groups.expt_dp_shard
         domain = build_domain(

@@ -101,11 +101,6 @@ def test_moe_flags_reach_megatron_cores_transformer_config():
             "concatenates the local experts in one 2D tensor, so a matrix optimizer cannot treat each expert",
         ),
         (
-            ["--expert-model-parallel-size", "2", "--use-matrix-fsdp", "--mfsdp-layout", "even"],
-            "--expert-model-parallel-size 2 with --mfsdp-layout even: the expert domain is built for the owner "
-            "layout only",
-        ),
-        (
             ["--expert-tensor-parallel-size", "2", "--use-matrix-fsdp", "--disable-bias-linear"],
             "--expert-tensor-parallel-size 2 (not --tensor-model-parallel-size 1) at --expert-model-parallel-size 1 "
             "with --use-matrix-fsdp: experts get a shard domain of their own",

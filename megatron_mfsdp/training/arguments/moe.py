@@ -93,19 +93,13 @@ def _check_backend(args) -> None:
     """Experts on MatrixFSDP (and on its replicated backend, --optimizer muon and the other rules without
     --use-matrix-fsdp): at EP 1 whole matrices of the dense shard domain (their TP group the dense one); at
     EP above 1 whole (expert-TP-local) matrices of the expert domain, over megatron-core's
-    expert-data-parallel group at any TP and expert TP (runtime/wrapper.py), owner layout only."""
+    expert-data-parallel group at any TP and expert TP (runtime/wrapper.py), in either layout."""
     ep, etp, tp = args.expert_model_parallel_size, args.expert_tensor_parallel_size, args.tensor_model_parallel_size
     if ep == 1 and etp == tp:
         return
     from ..setup import MEGATRON_OPTIMIZERS
 
     if ep > 1 and (args.use_matrix_fsdp or args.optimizer not in MEGATRON_OPTIMIZERS):
-        if getattr(args, "mfsdp_layout", "owner") != "owner":
-            _fail(
-                f"--expert-model-parallel-size {ep} with --mfsdp-layout {args.mfsdp_layout}: the expert domain is "
-                "built for the owner layout only (the even layout's rebuild of expert matrices over expert data "
-                "parallelism is not built yet)"
-            )
         return  # the expert domain, with gcd(--mfsdp-replicate-size, expert DP) replicas (groups.py)
     if args.use_matrix_fsdp:
         how = "--use-matrix-fsdp"
