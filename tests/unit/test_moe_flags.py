@@ -178,3 +178,15 @@ def test_a_checkpoint_of_another_expert_count_is_named_before_any_tensor():
     for key, value, flag in (("num_experts", 8, "--num-experts"), ("moe_ffn_hidden_size", 32, "--moe-ffn-hidden-size")):
         with pytest.raises(ValueError, match=f"saved for another model: {flag}: checkpoint"):
             check_same_model({**saved, key: value}, saved, "ckpt/common.pt")
+
+
+def test_expert_tp_above_1_with_biases_names_both_ways_out(capsys):
+    """megatron-core asserts "Bias in Moe is only supported when ETP==1"; the parser names the flags first,
+    and says when the expert TP came from the TP default."""
+    tp2 = ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--expert-model-parallel-size", "2"]
+    err = _error(TINY + MOE + tp2, capsys, world_size=4)
+    assert "--expert-tensor-parallel-size 2 (by default the TP size) with biases: megatron-core has MoE biases" in err
+    assert "add --disable-bias-linear or --expert-tensor-parallel-size 1" in err
+    assert (
+        _parse(TINY + MOE + tp2 + ["--expert-tensor-parallel-size", "1"], world_size=4).expert_tensor_parallel_size == 1
+    )

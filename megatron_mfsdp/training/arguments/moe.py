@@ -77,6 +77,12 @@ def _check_layout(args) -> None:
             "--sequence-parallel (megatron-core's MoE layer refuses to train without it: moe_layer.py at "
             "core_v0.16.1)"
         )
+    if etp > 1 and args.add_bias_linear:
+        given = "" if "--expert-tensor-parallel-size" in args.explicit else " (by default the TP size)"
+        _fail(
+            f"--expert-tensor-parallel-size {etp}{given} with biases: megatron-core has MoE biases at expert TP 1 "
+            "only (transformer_config.py at core_v0.16.1); add --disable-bias-linear or --expert-tensor-parallel-size 1"
+        )
     if args.moe_router_topk > experts:
         _fail(f"--moe-router-topk {args.moe_router_topk} is larger than --num-experts {experts}")
     freq = args.moe_layer_freq
