@@ -98,6 +98,7 @@ class MatrixFSDPOptimizer(MegatronOptimizer):
         self._fp8_units: list[_Fp8Unit] = []  # units whose matrices the owner quantizes (precision/)
         self.fp8_track_error = False  # set before a step to measure FP8 rounding against the update
         self.fp8_errors: dict[str, float] = {}
+        self.after_rules = None  # called with this optimizer after the rules' step, before the weights follow
         self._rules = {  # the rule that steps each placement class, resolved once per layout (registry.rule_set)
             layout: registry.rule_set((), config, layout) for layout in {c.ddp_config.layout for c in model_chunks}
         }
@@ -204,6 +205,7 @@ class MatrixFSDPOptimizer(MegatronOptimizer):
                     state_over_tp=tp_split and tp[0] > 1 and rule.state_over_tp(config),
                     param_shape=tuple(slot.shape),
                     state_replica=_state_replica(unit.layout.param_bounds(slot), shard_rank),
+                    runs=piece.runs(),
                 )
                 owned.state = rule.init_state(owned, rule.settings_in(config))
                 if rule.check is not None:
@@ -361,8 +363,29 @@ class MatrixFSDPOptimizer(MegatronOptimizer):
             with profile_range(RULE.format(rule.name)):
                 for params, ctx in self._step_calls(group, matrices, rule):
                     rule.step(params, ctx)
+        if self.after_rules is not None:  # QK-clip (training/qk_clip.py): rows of the masters rescaled
+            self.after_rules(self)
         self._sync_model_from_masters(after_step=True, before=before)
         return True
+
+    @torch.no_grad()
+    def scale_rows(self, scales: dict[str, torch.Tensor]) -> int:
+        """Multiply this rank's pieces of the parameters named in ``scales`` (global name -> one multiplier
+        per row of the TP-local parameter) in their fp32 masters, element by element through each piece's
+        place in the parameter (whole matrices, Q/K/V blocks and even slices alike); no collective. The
+        weights follow at the step's sync. Returns how many pieces were scaled."""
+        scaled = 0
+        for group in self.optimizer.param_groups:
+            for piece in group["params"]:
+                rows = scales.get(piece.global_name)
+                if rows is None or piece.runs is None:
+                    continue
+                first, run, stride, count = piece.runs
+                flat = first + (torch.arange(count)[:, None] * stride + torch.arange(run)[None, :]).reshape(-1)
+                row_of = flat // (piece.param_numel // rows.numel())
+                piece.master.view(-1).mul_(rows.to(piece.master.device)[row_of.to(piece.master.device)])
+                scaled += 1
+        return scaled
 
     def _step_calls(self, group, matrices: dict[str, list[GroupMatrix]], rule):
         """(pieces, StepContext) of each call of ``rule`` on an lr group: one call on the owner's pieces;

@@ -39,6 +39,7 @@ class OwnedPiece:
     state_over_tp: bool = False  # its rule keeps state of the whole TP-split matrix, alike on every TP rank
     param_shape: tuple[int, ...] = ()  # the parameter's (TP-local) shape; a slice's master is 1D
     state_replica: int = 0  # >0 where another rank saves the same whole-matrix state (an even layout's copies)
+    runs: tuple[int, int, int, int] | None = None  # (first, run, stride, count): its elements of the flat parameter
 
     @property
     def key(self) -> str:

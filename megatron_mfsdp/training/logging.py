@@ -144,6 +144,8 @@ def iteration_line(
     for name, value in extra.get("moe", {}).items():  # Megatron-LM prints its other losses after the lm loss
         if value > 0.0:
             line += f" {name}: {value:.6E} |"
+    if extra.get("max_logit") is not None:  # the last step's; Megatron-LM has it in TensorBoard only
+        line += f" max_attention_logit: {extra['max_logit']:.6E} |"
     line += f" loss scale: {loss_scale:.1f} |"
     if grad_norm is not None:
         line += f" grad norm: {grad_norm:.3f} |"

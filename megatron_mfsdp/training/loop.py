@@ -128,6 +128,7 @@ class _Run:
         self.train = self.valid = self.test = None
         self.consumed_train = self.consumed_valid = 0
         self.flops_so_far = 0.0  # floating-point operations of the iterations before this job (checkpoint)
+        self.qk_clip = None  # training/qk_clip.py, with --qk-clip or --log-max-attention-logit
 
     def iterators(self, args, dataset, start: int):
         from .batches import StepIterators
@@ -174,6 +175,12 @@ def _set_up(args):
 
     print_timeout_line(args)  # what --distributed-timeout-minutes covers (issue 21)
     run = _Run(args, groups, chunks, optimizer, scheduler, owns)
+    if args.qk_clip or args.log_max_attention_logit:
+        from .qk_clip import QKClip
+
+        run.qk_clip = QKClip(args, chunks, groups)
+        if hasattr(optimizer, "after_rules"):  # MatrixFSDP: inside the step, on the owners' masters
+            optimizer.after_rules = run.qk_clip
     return run, datasets, start
 
 
@@ -282,6 +289,7 @@ def _log(args, run, writers, timers, iteration: int, interval: _Interval, gbs: i
         tokens_per_s=gbs * args.seq_length / elapsed,
         spread=logging.timing_spread(args.timing_log_option, per_rank),
         moe=moe.averages(interval.moe, interval.advanced),
+        max_logit=run.qk_clip.last if run.qk_clip is not None else None,
     )
     logging.print_rank_last(
         logging.iteration_line(
@@ -326,6 +334,8 @@ def _record(args, run, writers, iteration: int, loss: float, gbs: int, grad_norm
         values["world-size"] = args.world_size
     if grad_norm is not None:
         values["grad-norm"] = grad_norm
+    if args.log_max_attention_logit and run.qk_clip is not None and run.qk_clip.last is not None:
+        values["max_attention_logit"] = run.qk_clip.last  # Megatron-LM's tag (training.py training_log)
     if zeros is not None:
         values["num-zeros"] = zeros
     if args.log_memory_to_tensorboard:  # Megatron-LM writes them every --tensorboard-log-interval

@@ -93,6 +93,8 @@ def train_step(args, run, iteration: int, num_microbatches: int):
     start = time.perf_counter()
     with cuda_on_cpu():  # megatron-core's optimizers allocate on "cuda"
         success, grad_norm, zeros = run.optimizer.step()
+    if run.qk_clip is not None and (not hasattr(run.optimizer, "after_rules") or not success):
+        run.qk_clip()  # the max logits for the log (megatron-core's optimizer, or a skipped step): no clip
     seconds = time.perf_counter() - start
     empty_unused_memory(args, 2)
     if not success and args.check_for_nan_in_loss_and_grad and not args.fp16:

@@ -22,6 +22,8 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import divide
 
+from .qk_clip import record_max_logits
+
 try:  # Apex's fused norms, when installed, are what megatron-core's local spec uses.
     import apex  # noqa: F401
 
@@ -66,6 +68,8 @@ class SDPAttention(MegatronModule):
         self.softmax_scale = softmax_scale or 1.0 / math.sqrt(self.head_dim)
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
         self.attn_mask_type = attn_mask_type
+        self.track_max_logits = config.qk_clip or config.log_max_attention_logit
+        self.current_max_attn_logits = None  # per local head, this step's (TEDotProductAttention's name)
 
     def forward(
         self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None, packed_seq_params=None
@@ -81,6 +85,8 @@ class SDPAttention(MegatronModule):
         # Attention passes no_mask when one new query reads a KV cache (megatron-core's static
         # inference, transformer/attention.py: _adjust_key_value_for_inference at core_v0.16.1).
         mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
+        if self.track_max_logits and self.training:  # QK-clip or --log-max-attention-logit (qk_clip.py)
+            record_max_logits(self, q, k, self.softmax_scale, mask_type == AttnMaskType.causal)
         context = F.scaled_dot_product_attention(
             q,
             k,

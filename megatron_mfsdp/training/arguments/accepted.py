@@ -140,7 +140,6 @@ NOT_APPLICABLE = {
     "and --log-memory-to-tensorboard report PyTorch's allocator)",
     "--log-memory-interval": "memory is reported at start-up, and every --tensorboard-log-interval with "
     "--log-memory-to-tensorboard",
-    "--log-max-attention-logit": "the largest attention logit is not logged",
     "--train-sync-interval": "every iteration synchronizes (its loss is read on the host): the host never runs ahead",
     "--gpu-sniff-test-interval": "GPU sniff tests are not run",
     "--exit-signal-handler-for-dataloader": "DataLoader workers keep Python's default signal handling",

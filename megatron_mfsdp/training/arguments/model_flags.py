@@ -94,6 +94,15 @@ def add_network_size_args(p: argparse.ArgumentParser) -> None:
         help="norm weights centered at zero: y = norm(x) * (1 + w) + b",
     )
     g.add_argument("--qk-layernorm", action="store_true")
+    g.add_argument(
+        "--qk-clip",
+        action="store_true",
+        help="MuonClip: after each step, scale the query and key rows of every query group whose largest "
+        "attention logit passed --qk-clip-threshold (megatron-core's rule; on MatrixFSDP the owner of each "
+        "linear_qkv scales its fp32 master)",
+    )
+    g.add_argument("--qk-clip-alpha", type=float, default=0.5, help="queries x eta^alpha, keys x eta^(1 - alpha)")
+    g.add_argument("--qk-clip-threshold", type=float, default=100.0, help="eta = min(1, threshold / max logit)")
     g.add_argument("--disable-bias-linear", dest="add_bias_linear", action="store_false")
     g.add_argument("--add-qkv-bias", action="store_true")
     g.add_argument("--swiglu", action="store_true")

@@ -172,7 +172,7 @@ FEATURES = {
         "--short-seq-prob",
         "--sample-rate",
     ),
-    "QK-clip and QK L2 normalization": ("--qk-clip", "--qk-clip-alpha", "--qk-clip-threshold", "--qk-l2-norm"),
+    "QK L2 normalization": ("--qk-l2-norm",),
     "NVIDIA Kitchen quantization": ("--use-kitchen-attention", "--kitchen-*"),
     "non-persistent (local, in-memory) checkpoints and their replication": (
         "--non-persistent-*",

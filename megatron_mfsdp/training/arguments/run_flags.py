@@ -279,6 +279,7 @@ def add_logging_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("logging")
     g.add_argument("--log-interval", type=positive_int, default=100)
     g.add_argument("--log-throughput", action="store_true")
+    g.add_argument("--log-max-attention-logit", action="store_true", help="the step's largest attention logit")
     g.add_argument("--log-params-norm", action="store_true")
     g.add_argument("--log-num-zeros-in-grad", action="store_true")
     g.add_argument("--log-timers-to-tensorboard", action="store_true")

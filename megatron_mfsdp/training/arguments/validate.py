@@ -118,6 +118,32 @@ def validate_model(args) -> None:
             f"{args.make_vocab_size_divisible_by} must be a multiple of --tensor-model-parallel-size {tp}"
         )
     _validate_model_kinds(args)
+    _validate_qk_clip(args)
+
+
+def _validate_qk_clip(args) -> None:
+    """Megatron-LM's checks (arguments.py at core_v0.16.1, whose TE >= 2.9 need our CPU attention does not
+    have: it computes the max logits itself), and where the clip cannot hold."""
+    if not args.qk_clip:
+        return
+    if not 0.0 < args.qk_clip_alpha < 1.0:
+        _fail(f"--qk-clip-alpha {args.qk_clip_alpha} must be between 0 and 1 (exclusive), as Megatron-LM's")
+    if args.qk_clip_threshold <= 0:
+        _fail(f"--qk-clip-threshold {args.qk_clip_threshold} must be greater than 0, as Megatron-LM's")
+    from ..setup import MEGATRON_OPTIMIZERS
+
+    if not args.use_matrix_fsdp and args.optimizer in MEGATRON_OPTIMIZERS:
+        _fail(
+            f"--qk-clip with --optimizer {args.optimizer} without --use-matrix-fsdp: megatron-core's optimizer "
+            "keeps the fp32 masters it would rescale in flat shards (its DistributedOptimizer) where a head's rows "
+            "are not whole; use --use-matrix-fsdp (each linear_qkv's owner rescales its own master), or "
+            "--log-max-attention-logit to log without clipping"
+        )
+    if args.qk_layernorm:
+        args.notices.append(
+            "--qk-clip with --qk-layernorm: the norms rescale queries and keys after linear_qkv, so scaling its "
+            "rows leaves the logits as they are (megatron-core clips the weights the same way)"
+        )
 
 
 def _validate_model_kinds(args) -> None:

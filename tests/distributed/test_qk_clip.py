@@ -1,0 +1,121 @@
+"""QK-clip on owners (training/qk_clip.py): the owner of each linear_qkv rescales its fp32 master inside the
+step, from the step's max logits all-reduced over DP. A one-layer tiny GPT without biases (megatron-core
+scales weights only) through megatron-core's schedule on MatrixFSDP."""
+
+import types
+
+import pytest
+import torch
+
+from megatron_mfsdp.testing import count_collectives, forward_step, init_megatron, micro_batch, run_workers, tiny_gpt
+
+STEPS = 3
+
+
+def _worker(
+    rank, world_size, data_ranks: int, tp: int, threshold: float, lr: float, clip: bool = True, qkv_owners="whole"
+):
+    """STEPS steps of ``data_ranks`` micro-batches; each step's largest max logit and collectives, the full
+    weights (TP shards joined), and the max logits of the last batch run again after the last step."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from megatron_mfsdp import (
+        MatrixFSDP,
+        MatrixFSDPConfig,
+        ProcessGroups,
+        configure_schedule,
+        forward_backward,
+        get_megatron_optimizer,
+    )
+    from megatron_mfsdp.models.gpt import qk_clip as qk
+    from megatron_mfsdp.testing import optimizer_config
+    from megatron_mfsdp.training.qk_clip import QKClip
+
+    init_megatron(tp=tp)
+    parallel = dict(tensor_model_parallel_size=tp, sequence_parallel=tp > 1)
+    config, model = tiny_gpt(
+        by_global_name=True, num_layers=1, add_bias_linear=False, qk_clip=clip, log_max_attention_logit=True, **parallel
+    )
+    groups = ProcessGroups.from_parallel_state()
+    ddp = MatrixFSDP(config, MatrixFSDPConfig(split_qkv_owners=qkv_owners), model, groups)
+    opt = get_megatron_optimizer(optimizer_config(lr=lr, min_lr=lr, muon_tp_mode="duplicated"), [ddp])
+    configure_schedule([ddp], opt)
+    hook = QKClip(types.SimpleNamespace(qk_clip=clip, qk_clip_alpha=0.5, qk_clip_threshold=threshold), [ddp], groups)
+    opt.after_rules = hook
+    dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+    mine = [r for r in range(data_ranks) if r % dp_size == dp_rank]
+    maxes, calls = [], []
+    for step in range(1, STEPS + 1):
+        opt.zero_grad()
+        forward_backward(forward_step, iter([micro_batch(step, 0, r) for r in mine]), [ddp], len(mine), 16, 2)
+        with count_collectives() as log:
+            assert opt.step()[0]
+        maxes.append(hook.last)
+        calls.append(list(log))
+    forward_backward(forward_step, iter([micro_batch(STEPS, 0, r) for r in mine]), [ddp], len(mine), 16, 2, True)
+    after = torch.stack([getattr(a.core_attention, qk.MAX_LOGITS) for a, _ in hook.layers])
+    dist.all_reduce(after, op=dist.ReduceOp.MAX, group=ps.get_data_parallel_group())
+    params, full = dict(model.named_parameters()), {}
+    for name, tensor in ddp.full_state_dict().items():
+        param = params.get(name)
+        if param is not None and getattr(param, "tensor_model_parallel", False) and tp > 1:
+            parts = [torch.empty_like(tensor) for _ in range(tp)]
+            dist.all_gather(parts, tensor.contiguous(), group=ps.get_tensor_model_parallel_group())
+            tensor = torch.cat(parts, dim=param.partition_dim)
+        full[ddp.global_names.get(name, name)] = tensor
+    heads = config.num_attention_heads // tp
+    blocks = sum(1 for p in opt.owned_pieces() if "linear_qkv" in p.global_name and p.runs[3] > 1)
+    return {"maxes": maxes, "calls": calls, "after": after, "full": full, "heads": heads, "blocks": blocks}
+
+
+def test_a_low_threshold_clips_each_groups_worst_head_to_it():
+    """lr 0: the weights change by the clip alone, so the same batch run again has each query group's
+    largest logit at the threshold (those past it) and none above it, within fp32 rounding."""
+    free = run_workers(1, _worker, 1, 1, 1e9, 0.0)[0]
+    threshold = free["maxes"][0] / 2
+    got = run_workers(1, _worker, 1, 1, threshold, 0.0)[0]
+    assert got["maxes"][0] == pytest.approx(free["maxes"][0], rel=1e-6)  # the first step measured the same
+    after = got["after"]
+    assert float(after.max()) == pytest.approx(threshold, rel=1e-4), (after, threshold)
+    assert float(after.max()) <= threshold * (1 + 1e-4)
+    assert float(free["after"].max()) > 1.9 * threshold  # without the clip the logits stay where they were
+
+
+def test_a_threshold_above_every_logit_is_bitwise_the_run_without_the_clip():
+    high = run_workers(1, _worker, 2, 1, 1e9, 1e-2)[0]
+    without = run_workers(1, _worker, 2, 1, 1e9, 1e-2, False)[0]
+    for name, ref in without["full"].items():
+        assert torch.equal(high["full"][name], ref), name
+
+
+@pytest.fixture(scope="module")
+def one_process():
+    free = run_workers(1, _worker, 2, 1, 1e9, 1e-2)[0]
+    threshold = free["maxes"][0] * 0.7
+    return threshold, run_workers(1, _worker, 2, 1, threshold, 1e-2)[0]
+
+
+@pytest.mark.parametrize("tp,qkv_owners", [(1, "whole"), (2, "whole"), (1, "all")])
+def test_dp2_and_tp2_clip_as_one_process_and_the_step_moves_only_scalars(tp, qkv_owners, one_process):
+    """DP 2 (each rank one micro-batch; also with Q, K and V on owners of their own, each scaling its block's
+    rows) and TP 2 x DP 1 (each TP rank its own heads, no reduction over TP)
+    against one process running both micro-batches, with a threshold the logits pass: weights within 1e-5
+    (no biases; TP changes the order of the row-parallel sums), each step's largest logit within 1e-5
+    relative. The step's collectives: the grad-norm scalars, the layers' max logits (one float per local
+    head) over DP, and the largest one over the world (DP 2: bitwise, each gradient the same sum)."""
+    threshold, one = one_process
+    assert one["maxes"][0] > threshold  # the clip acts
+    got = run_workers(2, _worker, 2, tp, threshold, 1e-2, True, qkv_owners)
+    assert sum(r["blocks"] for r in got) == (3 if qkv_owners == "all" else 0)  # Q, K, V block owners
+    full = {}
+    for r in got:
+        full.update(r["full"])
+    worst = max((full[n] - ref).abs().max().item() for n, ref in one["full"].items())
+    print(f"\nQK-clip at {'TP 2' if tp == 2 else 'DP 2'} against one process: weights {worst:.2e}")
+    assert worst <= 1e-5, worst  # measured 0 (DP 2) and 2.5e-7 (TP 2)
+    for r in got:
+        torch.testing.assert_close(torch.tensor(r["maxes"]), torch.tensor(one["maxes"]), rtol=1e-5, atol=0)
+        for calls in r["calls"]:  # at TP 2 --muon-tp-mode duplicated also gathers each matrix over TP
+            scalars = [c for c in calls if c[0] != "all_gather_single"]
+            assert scalars == [("all_reduce", 2), ("all_reduce", r["heads"]), ("all_reduce", 1)], calls
