@@ -119,3 +119,44 @@ def test_dp2_and_tp2_clip_as_one_process_and_the_step_moves_only_scalars(tp, qkv
         for calls in r["calls"]:  # at TP 2 --muon-tp-mode duplicated also gathers each matrix over TP
             scalars = [c for c in calls if c[0] != "all_gather_single"]
             assert scalars == [("all_reduce", 2), ("all_reduce", r["heads"]), ("all_reduce", 1)], calls
+
+
+def _fp8_worker(rank, world_size, threshold: float):
+    """A bf16 tiny GPT whose matrices are FP8 on their owners (tensorwise), one clip-only step (lr 0): the
+    linear_qkv owner's fp32 master before and after, and the working weight (dequantized FP8) after."""
+    from megatron_mfsdp import MatrixFSDP, MatrixFSDPConfig, ProcessGroups, get_megatron_optimizer
+    from megatron_mfsdp.precision import Fp8Config
+    from megatron_mfsdp.testing import lm_loss, optimizer_config
+    from megatron_mfsdp.training.qk_clip import QKClip
+
+    init_megatron()
+    bf16 = dict(params_dtype=torch.bfloat16, bf16=True)
+    config, model = tiny_gpt(
+        hidden_size=128, ffn_hidden_size=256, num_layers=1, add_bias_linear=False, qk_clip=True, **bf16
+    )
+    groups = ProcessGroups.from_parallel_state()
+    ddp = MatrixFSDP(config, MatrixFSDPConfig(fp8=Fp8Config(fp8_recipe="tensorwise")), model, groups)
+    opt = get_megatron_optimizer(optimizer_config(lr=0.0, min_lr=0.0, weight_decay=0.0, **bf16), [ddp])
+    hook = QKClip(types.SimpleNamespace(qk_clip=True, qk_clip_alpha=0.5, qk_clip_threshold=threshold), [ddp], groups)
+    opt.after_rules = hook
+    (piece,) = [p for p in opt.owned_pieces() if p.global_name.endswith("linear_qkv.weight")]
+    before = piece.master.clone()
+    opt.zero_grad()
+    lm_loss(ddp, micro_batch(1, 0, 0), 1).backward()
+    ddp.finish_grad_sync()
+    assert opt.step()[0]
+    name = next(n for n in ddp.full_state_dict() if n.endswith("linear_qkv.weight"))
+    return {"before": before, "after": piece.master.clone(), "weight": ddp.full_state_dict()[name].float(),
+            "max": hook.last}  # fmt: skip
+
+
+def test_fp8_owners_requantize_the_clipped_master():
+    """With FP8 matrices the owner clips its fp32 master and re-quantizes from it: rows of clipped heads
+    are scaled exactly in the master, and the FP8 working weight follows them (within E4M3's rounding)."""
+    first = run_workers(1, _fp8_worker, 1e9)[0]
+    assert torch.equal(first["after"], first["before"])  # nothing clipped at a threshold above every logit
+    got = run_workers(1, _fp8_worker, first["max"] / 2)[0]
+    ratio = got["after"].norm(dim=1) / got["before"].norm(dim=1)
+    assert float(ratio.min()) < 0.8 and float(ratio.max()) == pytest.approx(1.0, abs=1e-6)  # values untouched
+    torch.testing.assert_close(got["weight"], got["after"], rtol=0.07, atol=1e-3)  # E4M3: 3 mantissa bits
+    assert not torch.allclose(got["weight"], got["before"], rtol=0.07, atol=1e-3)  # it did follow the clip
