@@ -82,7 +82,7 @@ class SDPAttention(MegatronModule):
     ):
         if packed_seq_params is not None or attention_bias is not None:
             raise NotImplementedError("SDPAttention supports neither packed sequences nor bias")
-        repeat = self.heads_per_partition // self.groups_per_partition
+        repeat = query.shape[2] // key.shape[2]  # GQA's key/value heads (MLA gives every head its key)
         if repeat > 1:
             key = key.repeat_interleave(repeat, dim=2)
             value = value.repeat_interleave(repeat, dim=2)
