@@ -136,8 +136,9 @@ def _validate_mla(args) -> None:
         _fail("--group-query-attention and --multi-latent-attention exclude each other (as Megatron-LM)")
     if args.tensor_model_parallel_size > 1:
         _fail(
-            f"--multi-latent-attention with --tensor-model-parallel-size {args.tensor_model_parallel_size}: on the "
-            "local spec megatron-core 0.16.1's MLA gathers its column-parallel down projections' outputs with "
+            f"--multi-latent-attention with --tensor-model-parallel-size {args.tensor_model_parallel_size}: "
+            "multi-latent attention at tensor parallelism above 1 is not supported: on the local spec "
+            "megatron-core 0.16.1's MLA gathers its column-parallel down projections' outputs with "
             "gather_from_tensor_model_parallel_region, whose backward keeps each rank's own slice, so the gradient "
             "that the other TP ranks' heads send to the shared rotary key (linear_kv_down_proj) is lost (TP 2 "
             "drifts 2e-3 from one process in 3 steps); use TP 1"
