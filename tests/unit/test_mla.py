@@ -151,4 +151,5 @@ def test_the_rotary_rows_need_their_own_eta():
         attention.linear_q_up_proj.weight.mul_(wrong[:, None])
         attention.linear_kv_up_proj.weight.mul_(kv_rows.double()[:, None])
     after = _logits(attention, x)
+    print(f"\nrotary rows at eta^alpha: worst head at {float((after / threshold).max()):.3f} x the threshold")
     assert float((after / threshold).max()) > 1.01, after / threshold
