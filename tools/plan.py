@@ -67,6 +67,16 @@ def layer_shapes(args, index: int) -> Shapes:
         else _linear(f"{p}.mlp.linear_fc1", fc1_rows, h, fc1_rows if bias else None)
         + _linear(f"{p}.mlp.linear_fc2", h, args.ffn_hidden_size // tp, h if bias else None)
     )
+    if args.multi_latent_attention:  # MLASelfAttention's projections and latent norms (models/gpt/mla.py)
+        from megatron_mfsdp.models.gpt.mla import attention_shapes
+
+        attention = [(f"{p}.self_attention.{name}", shape) for name, shape in attention_shapes(vars(args), tp)]
+        return (
+            _norm(f"{p}.input_layernorm", h, layernorm)
+            + attention
+            + _norm(f"{p}.pre_mlp_layernorm", h, layernorm)
+            + mlp
+        )
     attention = _linear(f"{p}.self_attention.linear_proj", h, args.num_attention_heads * kv // tp, h if bias else None)
     attention += _linear(f"{p}.self_attention.linear_qkv", qkv_rows, h, qkv_rows if bias or args.add_qkv_bias else None)
     if args.qk_layernorm:

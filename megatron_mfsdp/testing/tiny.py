@@ -39,8 +39,21 @@ def tiny_gpt_config(**overrides):
         gradient_accumulation_fusion=False,
         apply_rope_fusion=False,
     )
+    if overrides.get("multi_latent_attention"):  # megatron-core's MLA: no query groups, its own head dims
+        from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+        kwargs.update(MLA_TINY, num_query_groups=None)
+        kwargs.update(overrides)
+        return MLATransformerConfig(**kwargs)
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)
+
+
+MLA_TINY = dict(
+    q_lora_rank=24, kv_lora_rank=16, qk_head_dim=8, qk_pos_emb_head_dim=4, v_head_dim=12, rotary_scaling_factor=1.0
+)
+"""The tiny GPT's multi-latent attention (``multi_latent_attention=True``): query/key heads 12 wide, values 12,
+YaRN at factor 1 (Megatron-LM's --rotary-scaling-factor default)."""
 
 
 def tiny_gpt(

@@ -2,9 +2,10 @@
 one MAX all-reduce over data parallelism, and on MatrixFSDP the clip on the owners' fp32 masters.
 
 Megatron-LM (megatron/core/optimizer/qk_clip.py at core_v0.16.1) all-reduces each layer's max logits
-over DP x CP and rescales ``linear_qkv.weight`` (and its ``main_param``) after optimizer.step(). Here
-the owner of each ``linear_qkv`` (or of its Q and K blocks) holds the fp32 master whole, so it
-rescales its own rows inside the step, before the weights are re-derived from the masters (FP8
+over DP x CP and rescales ``linear_qkv.weight`` (multi-latent attention: its query projection and
+``linear_kv_up_proj.weight``; and their ``main_param``) after optimizer.step(). Here the owner of each
+such weight (or of its Q and K blocks) holds the fp32 master whole, so it rescales its own rows inside
+the step, before the weights are re-derived from the masters (FP8
 owners re-quantize then); the only collectives are the per-layer max logits over DP and one scalar
 over the world for the log. The max logits are reset every step (Megatron-LM resets them only when
 it clips). Each TP rank clips its own heads; each pipeline stage its own layers."""
@@ -23,14 +24,13 @@ class QKClip:
     def __init__(self, args, chunks, groups):
         self.clip, self.alpha, self.threshold = args.qk_clip, args.qk_clip_alpha, args.qk_clip_threshold
         self.dp = groups.dp
-        self.layers = []  # (self-attention module, its linear_qkv weight's global name)
+        self.layers = []  # self-attention modules, in layer order
+        self.names = {}  # id(weight) -> global name, for every parameter of the chunks
         for chunk in chunks:
             module = getattr(chunk, "module", chunk)
-            local = {id(p): name for name, p in module.named_parameters()}
             names = getattr(chunk, "global_names", {})
-            for attention in qk.self_attentions(module):
-                name = local[id(attention.linear_qkv.weight)]
-                self.layers.append((attention, names.get(name, name)))
+            self.names.update({id(p): names.get(name, name) for name, p in module.named_parameters()})
+            self.layers += qk.self_attentions(module)
         self.last: float | None = None  # the step's largest max logit, over the whole model
 
     def __call__(self, optimizer=None) -> None:
@@ -42,14 +42,14 @@ class QKClip:
         self.last = largest.item()
         if self.clip and optimizer is not None:
             optimizer.scale_rows(self.row_scales(logits))
-        for attention, _ in self.layers:
+        for attention in self.layers:
             setattr(attention.core_attention, qk.MAX_LOGITS, None)
 
     def _reduced(self) -> torch.Tensor:
         """[layers, local heads] of this step's max logits, the largest over DP (-inf where a layer ran no
         training forward)."""
         rows = []
-        for attention, _ in self.layers:
+        for attention in self.layers:
             current = getattr(attention.core_attention, qk.MAX_LOGITS, None)
             heads = attention.num_attention_heads_per_partition
             rows.append(torch.full((heads,), float("-inf")) if current is None else current.detach().float().cpu())
@@ -60,12 +60,10 @@ class QKClip:
         return stacked
 
     def row_scales(self, logits: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Per layer whose max logit passed the threshold: its linear_qkv's row multipliers."""
+        """Per layer whose max logit passed the threshold: the row multipliers of the weights its clip scales
+        (linear_qkv; MLA's query projection and linear_kv_up_proj), by global name."""
         scales = {}
-        for (attention, name), layer in zip(self.layers, logits):
-            groups = attention.num_query_groups_per_partition
-            etas = qk.group_etas(layer, groups, self.threshold)
-            if bool((etas < 1).any()):
-                heads = attention.num_attention_heads_per_partition // groups
-                scales[name] = qk.qkv_row_scales(etas, heads, attention.hidden_size_per_attention_head, self.alpha)
+        for attention, layer in zip(self.layers, logits):
+            for weight, rows in qk.clipped_weights(attention, layer, self.threshold, self.alpha):
+                scales[self.names[id(weight)]] = rows
         return scales

@@ -1,5 +1,6 @@
-"""QK-clip on owners (training/qk_clip.py): the owner of each linear_qkv rescales its fp32 master inside the
-step, from the step's max logits all-reduced over DP. A one-layer tiny GPT without biases (megatron-core
+"""QK-clip on owners (training/qk_clip.py): the owner of each linear_qkv (multi-latent attention: of its query
+and key/value up projections) rescales its fp32 master inside the step, from the step's max logits all-reduced
+over DP. A one-layer tiny GPT without biases (megatron-core
 scales weights only) through megatron-core's schedule on MatrixFSDP."""
 
 import types
@@ -13,7 +14,15 @@ STEPS = 3
 
 
 def _worker(
-    rank, world_size, data_ranks: int, tp: int, threshold: float, lr: float, clip: bool = True, qkv_owners="whole"
+    rank,
+    world_size,
+    data_ranks: int,
+    tp: int,
+    threshold: float,
+    lr: float,
+    clip: bool = True,
+    qkv_owners="whole",
+    mla: bool = False,
 ):
     """STEPS steps of ``data_ranks`` micro-batches; each step's largest max logit and collectives, the full
     weights (TP shards joined), and the max logits of the last batch run again after the last step."""
@@ -35,7 +44,13 @@ def _worker(
     init_megatron(tp=tp)
     parallel = dict(tensor_model_parallel_size=tp, sequence_parallel=tp > 1)
     config, model = tiny_gpt(
-        by_global_name=True, num_layers=1, add_bias_linear=False, qk_clip=clip, log_max_attention_logit=True, **parallel
+        by_global_name=True,
+        num_layers=1,
+        add_bias_linear=False,
+        qk_clip=clip,
+        log_max_attention_logit=True,
+        **parallel,
+        **({"multi_latent_attention": True} if mla else {}),
     )
     groups = ProcessGroups.from_parallel_state()
     ddp = MatrixFSDP(config, MatrixFSDPConfig(split_qkv_owners=qkv_owners), model, groups)
@@ -54,7 +69,7 @@ def _worker(
         maxes.append(hook.last)
         calls.append(list(log))
     forward_backward(forward_step, iter([micro_batch(STEPS, 0, r) for r in mine]), [ddp], len(mine), 16, 2, True)
-    after = torch.stack([getattr(a.core_attention, qk.MAX_LOGITS) for a, _ in hook.layers])
+    after = torch.stack([getattr(a.core_attention, qk.MAX_LOGITS) for a in hook.layers])
     dist.all_reduce(after, op=dist.ReduceOp.MAX, group=ps.get_data_parallel_group())
     params, full = dict(model.named_parameters()), {}
     for name, tensor in ddp.full_state_dict().items():
@@ -160,3 +175,35 @@ def test_fp8_owners_requantize_the_clipped_master():
     assert float(ratio.min()) < 0.8 and float(ratio.max()) == pytest.approx(1.0, abs=1e-6)  # values untouched
     torch.testing.assert_close(got["weight"], got["after"], rtol=0.07, atol=1e-3)  # E4M3: 3 mantissa bits
     assert not torch.allclose(got["weight"], got["before"], rtol=0.07, atol=1e-3)  # it did follow the clip
+
+
+def test_mla_a_low_threshold_clips_each_head_to_it():
+    """Multi-latent attention (megatron-core's MLASelfAttention.clip_qk rule, per head): at lr 0 the same batch
+    run again after one clip-only step has each head that passed the threshold at it and none above it; the
+    heads below it keep their logits."""
+    free = run_workers(1, _worker, 1, 1, 1e9, 0.0, True, "whole", True)[0]
+    heads = free["after"][0]
+    threshold = float(heads.max() + heads.min()) / 2
+    got = run_workers(1, _worker, 1, 1, threshold, 0.0, True, "whole", True)[0]
+    after = got["after"][0]
+    expected = torch.clamp(heads, max=threshold)
+    worst = float(((after - expected).abs() / expected).max())
+    print(f"\nMLA QK-clip at lr 0: max logit per head against min(before, threshold): {worst:.2e} relative")
+    assert worst <= 1e-5, (after, expected)
+    assert bool((heads > threshold).any()) and bool((heads < threshold).any())
+
+
+def test_mla_dp2_clips_as_one_process():
+    """MLA with a threshold the logits pass: DP 2 (each rank one micro-batch) against one process running both,
+    weights within 1e-5 and each step's largest logit within 1e-5 relative; the clip changed the weights."""
+    free = run_workers(1, _worker, 2, 1, 1e9, 1e-2, True, "whole", True)[0]
+    threshold = free["maxes"][0] * 0.7
+    one = run_workers(1, _worker, 2, 1, threshold, 1e-2, True, "whole", True)[0]
+    assert one["maxes"][0] > threshold
+    assert any(not torch.equal(one["full"][n], free["full"][n]) for n in free["full"])  # the clip acted
+    got = run_workers(2, _worker, 2, 1, threshold, 1e-2, True, "whole", True)
+    worst = max((got[0]["full"][n] - ref).abs().max().item() for n, ref in one["full"].items())
+    print(f"\nMLA QK-clip at DP 2 against one process: weights {worst:.2e}")
+    assert worst <= 1e-5, worst
+    for r in got:
+        torch.testing.assert_close(torch.tensor(r["maxes"]), torch.tensor(one["maxes"]), rtol=1e-5, atol=0)

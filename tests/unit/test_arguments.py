@@ -215,6 +215,16 @@ MEGATRON_LM_0161 = {
     "--reset-attention-mask": ("reset_attention_mask", False),
     "--reset-position-ids": ("reset_position_ids", False),
     "--rope-scaling-factor": ("rope_scaling_factor", 8.0),
+    "--multi-latent-attention": ("multi_latent_attention", False),
+    "--q-lora-rank": ("q_lora_rank", None),
+    "--kv-lora-rank": ("kv_lora_rank", 32),
+    "--qk-head-dim": ("qk_head_dim", 128),
+    "--qk-pos-emb-head-dim": ("qk_pos_emb_head_dim", 64),
+    "--v-head-dim": ("v_head_dim", 128),
+    "--rotary-scaling-factor": ("rotary_scaling_factor", 1.0),
+    "--mscale": ("mscale", 1.0),
+    "--mscale-all-dim": ("mscale_all_dim", 0.0),
+    "--rope-type": ("rope_type", None),
     "--rotary-base": ("rotary_base", 10000),
     "--rotary-interleaved": ("rotary_interleaved", False),
     "--rotary-percent": ("rotary_percent", 1.0),
@@ -306,7 +316,7 @@ def _without(argv, *flags):
 
 def test_every_shared_flag_has_megatron_lms_dest_and_default():
     actions = build_parser()._option_string_actions
-    assert len(MEGATRON_LM_0161) == 253
+    assert len(MEGATRON_LM_0161) == 263
     wrong = []
     for flag, (dest, default) in MEGATRON_LM_0161.items():
         action = actions.get(flag)
@@ -466,7 +476,7 @@ def test_bad_values_exit_2_naming_the_flag(flags, message, capsys):
         (["--moe-use-upcycling"], "--moe-use-upcycling: MoE upcycling (a dense checkpoint turned into experts) is"),
         (["--num-experts", "4", "--moe-enable-deepep"], "--moe-enable-deepep: the flex token dispatcher (DeepEP,"),
         (["--context-parallel-size", "2"], "--context-parallel-size: context parallelism is not supported"),
-        (["--multi-latent-attention"], "--multi-latent-attention: multi-latent attention is not supported"),
+        (["--cache-mla-latents"], "--cache-mla-latents: caching multi-latent attention's latents"),
         (["--use-megatron-fsdp"], "--use-megatron-fsdp: Megatron-FSDP and torch FSDP2 (use --use-matrix-fsdp"),
         (["--fim-data"], "--fim-data: FIM datasets is not supported by megatron-mfsdp yet"),
     ],

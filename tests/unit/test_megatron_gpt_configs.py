@@ -53,7 +53,7 @@ SOURCE = _source("gpt")
 LACKING = {
     "MoE features beyond megatron-core's MoE layer": ("MoE", "flex dispatcher"),
     "context parallelism": ("context parallelism",),
-    "multi-latent attention": ("multi-latent attention",),
+    "multi-latent attention at TP above 1, or MLA's latent cache": ("multi-latent attention",),
     "multi-token prediction": ("multi-token prediction",),
     "Mamba and hybrid models": ("Mamba", "hybrid model"),
     "experimental attention variants": ("experimental attention variants",),

@@ -261,6 +261,12 @@ SMALL = {
     "moe": "--num-layers 2 --hidden-size 64 --ffn-hidden-size 96 --num-attention-heads 4 --swiglu "
     "--disable-bias-linear --position-embedding-type rope --vocab-size 300 --num-experts 4 --moe-ffn-hidden-size 32 "
     "--moe-router-topk 2 --moe-shared-expert-intermediate-size 48 --moe-layer-freq [0,1]",
+    "mla": "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --multi-latent-attention --q-lora-rank 24 "
+    "--kv-lora-rank 16 --qk-head-dim 8 --qk-pos-emb-head-dim 4 --v-head-dim 12 --qk-layernorm --swiglu "
+    "--normalization RMSNorm --disable-bias-linear --position-embedding-type rope --vocab-size 300",
+    "mla-no-q-lora": "--num-layers 1 --hidden-size 64 --num-attention-heads 4 --multi-latent-attention "
+    "--kv-lora-rank 16 --qk-head-dim 8 --qk-pos-emb-head-dim 4 --v-head-dim 12 --qk-layernorm --vocab-size 300 "
+    "--seq-length 16 --max-position-embeddings 16",
 }
 
 
@@ -297,6 +303,7 @@ def _meta_specs_worker(rank, world_size, cases, specs, world_sizes):
 
 def test_analytic_shapes_equal_a_meta_built_gpt_model_and_plans_agree_across_processes(specs):
     cases = [(SMALL["gpt"], 2), (SMALL["llama"], 2), (SMALL["qwen-like"], 1), (SMALL["moe"], 1)]
+    cases += [(SMALL["mla"], 1), (SMALL["mla-no-q-lora"], 1)]  # multi-latent attention (models/gpt/mla.py)
     case, world_sizes = specs["llama3-70b-tp8"], (32,)
     results = run_workers(2, _meta_specs_worker, cases, case, world_sizes)
     digests = [plan_units(case, w).digest() for w in world_sizes]

@@ -45,7 +45,10 @@ except Exception:  # pragma: no cover - depends on the machine
 class SDPAttention(MegatronModule):
     """Causal core attention on PyTorch SDPA: same inputs and outputs as
     megatron-core's ``DotProductAttention`` ([s, b, heads, head_dim] in,
-    [s, b, heads*head_dim] out), but device agnostic."""
+    [s, b, heads*head_dim] out), but device agnostic. Multi-latent attention passes
+    ``k_channels`` (query/key head dim: qk_head_dim + qk_pos_emb_head_dim) and ``v_channels``
+    (v_head_dim) as it passes them to TEDotProductAttention, and its own ``softmax_scale``
+    (mscale^2 / sqrt(k_channels), multi_latent_attention.py at core_v0.16.1)."""
 
     def __init__(
         self,
@@ -55,6 +58,8 @@ class SDPAttention(MegatronModule):
         attention_type: str,
         attention_dropout: float | None = None,
         softmax_scale: float | None = None,
+        k_channels: int | None = None,
+        v_channels: int | None = None,
         cp_comm_type: str | None = None,
         pg_collection=None,
     ):
@@ -64,7 +69,8 @@ class SDPAttention(MegatronModule):
         tp_size = pg_collection.tp.size()
         self.heads_per_partition = divide(config.num_attention_heads, tp_size)
         self.groups_per_partition = divide(config.num_query_groups, tp_size)
-        self.head_dim = config.kv_channels
+        self.head_dim = k_channels or config.kv_channels  # query and key
+        self.v_head_dim = v_channels or config.kv_channels  # value, and each head's output
         self.softmax_scale = softmax_scale or 1.0 / math.sqrt(self.head_dim)
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
         self.attn_mask_type = attn_mask_type
@@ -76,7 +82,7 @@ class SDPAttention(MegatronModule):
     ):
         if packed_seq_params is not None or attention_bias is not None:
             raise NotImplementedError("SDPAttention supports neither packed sequences nor bias")
-        repeat = self.heads_per_partition // self.groups_per_partition
+        repeat = query.shape[2] // key.shape[2]  # GQA's key/value heads (MLA gives every head its key)
         if repeat > 1:
             key = key.repeat_interleave(repeat, dim=2)
             value = value.repeat_interleave(repeat, dim=2)
@@ -96,7 +102,7 @@ class SDPAttention(MegatronModule):
             dropout_p=self.dropout_p if self.training else 0.0,
         )
         seq, batch = query.shape[0], query.shape[1]
-        return context.permute(2, 0, 1, 3).reshape(seq, batch, self.heads_per_partition * self.head_dim)
+        return context.permute(2, 0, 1, 3).reshape(seq, batch, self.heads_per_partition * self.v_head_dim)
 
 
 class TorchNorm(torch.nn.Module):
@@ -132,8 +138,9 @@ def _local_spec(spec):
     if not HAVE_APEX_NORM:
         spec.submodules.input_layernorm = TorchNorm
         spec.submodules.pre_mlp_layernorm = TorchNorm
-        if attention.q_layernorm is not IdentityOp:
-            attention.q_layernorm = attention.k_layernorm = TorchNorm
+        for norm in ("q_layernorm", "k_layernorm", "kv_layernorm"):  # MLA has q_ and kv_layernorm
+            if getattr(attention, norm, IdentityOp) is not IdentityOp:
+                setattr(attention, norm, TorchNorm)
     return spec
 
 
@@ -171,9 +178,14 @@ def gpt_layer_spec(config: TransformerConfig, use_transformer_engine: bool | Non
         if not HAVE_APEX_NORM:
             block.layer_norm = TorchNorm
         return block
+    mla = config.multi_latent_attention
     if use_transformer_engine:
-        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm)
-    spec = _local_spec(get_gpt_layer_local_spec(normalization=config.normalization, qk_layernorm=config.qk_layernorm))
+        return get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm, multi_latent_attention=mla)
+    spec = _local_spec(
+        get_gpt_layer_local_spec(
+            normalization=config.normalization, qk_layernorm=config.qk_layernorm, multi_latent_attention=mla
+        )
+    )
     if HAVE_APEX_NORM:
         return spec
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
@@ -204,6 +216,10 @@ def build_gpt_model(
 
     if config.num_moe_experts:
         moe.define_te_general_gemm()
+    if config.multi_latent_attention:
+        from ...compat import mla
+
+        mla.repair_have_te()
 
     with cuda_on_cpu():
         model = GPTModel(

@@ -4,8 +4,10 @@ arguments. The input is a mapping of dests to values: the form a checkpoint stor
 pretrain_gpt.py namespace (``vars(args)``); the namespace itself stays in training/.
 
 Like Megatron-LM's core_transformer_config_from_args (megatron/training/arguments.py at
-core_v0.16.1), every dest named as a TransformerConfig field is copied, then the few that
-Megatron-LM derives are set (``num_experts`` is megatron-core's ``num_moe_experts``). One
+core_v0.16.1), the config class is MLATransformerConfig with --multi-latent-attention (else
+TransformerConfig), every dest named as one of its fields is copied (an unset --rope-type left to the
+class's default: yarn for MLA), then the few that Megatron-LM derives are set (``num_experts`` is
+megatron-core's ``num_moe_experts``). One
 departure: --openai-gelu selects the tanh GELU for the
 megatron-core model (Megatron-LM 0.16.1 applies it to its legacy models only), which GPT-2
 checkpoints need.
@@ -59,9 +61,12 @@ def transformer_config(dests: Mapping):
     """megatron-core's TransformerConfig of Megatron-LM argument dests (a checkpoint's stored args, a
     model_args dict, or a run's ``vars(args)``: training/configs.py transformer_config_from_args)."""
     from megatron.core.transformer.enums import AttnBackend
-    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
-    kw = {f.name: dests[f.name] for f in dataclasses.fields(TransformerConfig) if f.name in dests}
+    config_class = MLATransformerConfig if dests.get("multi_latent_attention", False) else TransformerConfig
+    kw = {f.name: dests[f.name] for f in dataclasses.fields(config_class) if f.name in dests}
+    if kw.get("rope_type", "") is None:  # --rope-type unset: the config class's default (MLA's is yarn)
+        kw.pop("rope_type")
     dtype = torch.bfloat16 if dests.get("bf16", False) else torch.float16 if dests.get("fp16", False) else torch.float32
     kw.update(
         _activation(dests),
@@ -79,7 +84,7 @@ def transformer_config(dests: Mapping):
         kw["attention_backend"] = AttnBackend[kw["attention_backend"]]
     for unset in ("fp8", "fp8_param"):  # FP8 is the owner's job (precision/), not megatron's
         kw.pop(unset, None)
-    return TransformerConfig(**kw)
+    return config_class(**kw)
 
 
 def gpt_model_kwargs(dests: Mapping) -> dict:

@@ -7,6 +7,10 @@ matrices. In a mixture-of-experts layer each expert's ``linear_fc1``/``linear_fc
 is a matrix of its own, as are the shared experts' and the router's weight; the shared-expert gate
 (one row) and every bias are elementwise. The router's aux-loss-free ``expert_bias`` is a buffer, not
 a parameter: every rank updates it alike from the all-reduced token counts.
+Multi-latent attention's projections (``linear_q_proj``, or ``linear_q_down_proj`` and ``linear_q_up_proj``;
+``linear_kv_down_proj``, ``linear_kv_up_proj``; ``linear_proj``) are matrices, each whole (Muon orthogonalizes
+each as one matrix, as megatron-core's Muon does: its QKV split applies to ``linear_qkv`` only); its
+``q_layernorm`` and ``kv_layernorm`` (on the latents) are norms.
 Which rule runs on each role is --optimizer's (the optimizer's registry), not the
 model's: with --optimizer muon, Muon on the matrices and AdamW (or --muon-scalar-optimizer lion)
 on the rest; with --optimizer adam, AdamW on all.
@@ -34,6 +38,12 @@ MATRIX_PATTERNS = (
     "*linear_fc1.weight[0-9]*",  # TEGroupedMLP: one weight{i} per local expert
     "*linear_fc2.weight[0-9]*",
     "*mlp.router.weight",
+    # multi-latent attention (MLASelfAttention): each projection a whole matrix of its own, not split per head
+    "*linear_q_proj.weight",
+    "*linear_q_down_proj.weight",
+    "*linear_q_up_proj.weight",
+    "*linear_kv_down_proj.weight",
+    "*linear_kv_up_proj.weight",
 )
 
 

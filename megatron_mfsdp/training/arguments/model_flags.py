@@ -119,6 +119,45 @@ def add_network_size_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--attention-softmax-in-fp32", action="store_true")
     g.add_argument("--fp32-residual-connection", action="store_true")
     _add_implementation_args(g)
+    _add_mla_args(g)
+
+
+def _add_mla_args(g) -> None:
+    """Multi-latent attention (megatron-core's MLASelfAttention): --multi-latent-attention is a TransformerConfig
+    field, the rest Megatron-LM's "mla" group (_add_mla_args at core_v0.16.1), with its defaults; --rope-type
+    None lets the config choose (MLATransformerConfig: yarn)."""
+    g.add_argument(
+        "--multi-latent-attention",
+        action="store_true",
+        help="megatron-core's multi-latent attention (MLATransformerConfig, MLASelfAttention): low-rank query and "
+        "key/value projections, a decoupled shared rotary key",
+    )
+    g.add_argument("--q-lora-rank", type=positive_int, default=None, help="query's low rank (None: one linear_q_proj)")
+    g.add_argument("--kv-lora-rank", type=positive_int, default=32, help="key and value's low rank")
+    g.add_argument(
+        "--qk-head-dim",
+        type=positive_int,
+        default=128,
+        help="query/key head dim without position; each head's q/k dim is this + --qk-pos-emb-head-dim",
+    )
+    g.add_argument("--qk-pos-emb-head-dim", type=positive_int, default=64, help="query/key rotary part per head")
+    g.add_argument("--v-head-dim", type=positive_int, default=128, help="value head dim")
+    g.add_argument(
+        "--rotary-scaling-factor", type=positive_float, default=1.0, help="YaRN scaling factor of MLA's rotary part"
+    )
+    g.add_argument("--mscale", type=float, default=1.0, help="YaRN mscale of MLA's rotary part")
+    g.add_argument(
+        "--mscale-all-dim",
+        type=float,
+        default=0.0,
+        help="YaRN mscale over all dims: MLA's softmax scale is mscale(factor, this)^2 / sqrt(q/k head dim)",
+    )
+    g.add_argument(
+        "--rope-type",
+        default=None,
+        choices=["rope", "yarn"],
+        help="MLA's RoPE (default: yarn, MLATransformerConfig's); standard attention runs rope only",
+    )
 
 
 def add_initialization_args(p: argparse.ArgumentParser) -> None:

@@ -59,19 +59,6 @@ FEATURES = {
         "--hybrid-context-parallel",
         "--max-seqlen-per-dp-cp-rank",
     ),
-    "multi-latent attention": (
-        "--multi-latent-attention",
-        "--q-lora-rank",
-        "--kv-lora-rank",
-        "--qk-head-dim",
-        "--qk-pos-emb-head-dim",
-        "--v-head-dim",
-        "--cache-mla-latents",
-        "--mscale",
-        "--mscale-all-dim",
-        "--rotary-scaling-factor",
-        "--mla-down-proj-fusion",
-    ),
     "experimental attention variants (gated delta net, DSA, linear attention)": (
         "--experimental-attention-variant",
         "--linear-*",
@@ -209,7 +196,7 @@ GROUPS = {
     "heterogeneous architecture": "heterogeneous layer configurations",
     "autoresume": "ADLR autoresume",
     "workload inspector": "the workload inspector server",
-    "mla": "multi-latent attention",
+    "mla": "multi-latent attention options newer than megatron-core 0.16.1",
     "experimental_attention_variant": "experimental attention variants",
     "modelopt-generic": "ModelOpt quantization, export and distillation",
     "kitchen": "NVIDIA Kitchen quantization",
@@ -260,7 +247,11 @@ REASONS = {
     "--null-tokenizer-eod-id": "NullTokenizer's end-of-document id is its vocabulary size - 1 here",
     "--null-tokenizer-pad-id": "NullTokenizer has no pad token here",
     "--te-precision-config-file": "Transformer Engine per-module precision overrides are not supported",
-    "--rope-type": "--rope-type yarn (YaRN) is not supported; rope is what runs",
+    "--cache-mla-latents": "caching multi-latent attention's latents (absorbed up projections, Flash MLA) is "
+    "for Megatron-LM's dynamic inference engine, which megatron-mfsdp does not have; training and tools/generate.py "
+    "keep megatron-core's full key/value cache",
+    "--mla-down-proj-fusion": "fusing multi-latent attention's query and key/value down projections into one linear "
+    "is newer than megatron-core 0.16.1 (its MLASelfAttention has linear_q_down_proj and linear_kv_down_proj)",
     "--softmax-type": "attention sinks (softmax types other than vanilla) are not supported",
     "--use-legacy-static-engine": "Megatron-LM's inference engine is not part of megatron-mfsdp",
     "--moe-use-legacy-grouped-gemm": "megatron-core's legacy GroupedMLP is not supported: its weight1 concatenates "
@@ -316,7 +307,6 @@ INFERENCE_SCRIPT_FLAGS = (
 # Values at which a refused flag changes nothing (Megatron-LM's defaults).
 HARMLESS = {
     "--context-parallel-size": ["1"],
-    "--rope-type": ["rope"],
     "--softmax-type": ["vanilla"],
     "--cuda-graph-impl": ["none"],
     "--main-grads-dtype": ["fp32"],

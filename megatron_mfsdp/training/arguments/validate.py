@@ -118,7 +118,31 @@ def validate_model(args) -> None:
             f"{args.make_vocab_size_divisible_by} must be a multiple of --tensor-model-parallel-size {tp}"
         )
     _validate_model_kinds(args)
+    _validate_mla(args)
     _validate_qk_clip(args)
+
+
+def _validate_mla(args) -> None:
+    """Megatron-LM's checks of multi-latent attention (validate_args and core_transformer_config_from_args at
+    core_v0.16.1), and TP 1 (megatron-core's local-spec MLA loses gradient at TP above 1)."""
+    if not args.multi_latent_attention:
+        if args.rope_type == "yarn":  # Megatron-LM's assert in core_transformer_config_from_args
+            _fail(
+                '--rope-type yarn: standard attention supports rope_type="rope" only (as Megatron-LM); YaRN '
+                "applies to --multi-latent-attention"
+            )
+        return
+    if args.group_query_attention:
+        _fail("--group-query-attention and --multi-latent-attention exclude each other (as Megatron-LM)")
+    if args.tensor_model_parallel_size > 1:
+        _fail(
+            f"--multi-latent-attention with --tensor-model-parallel-size {args.tensor_model_parallel_size}: "
+            "multi-latent attention at tensor parallelism above 1 is not supported: on the local spec "
+            "megatron-core 0.16.1's MLA gathers its column-parallel down projections' outputs with "
+            "gather_from_tensor_model_parallel_region, whose backward keeps each rank's own slice, so the gradient "
+            "that the other TP ranks' heads send to the shared rotary key (linear_kv_down_proj) is lost (TP 2 "
+            "drifts 2e-3 from one process in 3 steps); use TP 1"
+        )
 
 
 def _validate_qk_clip(args) -> None:
@@ -139,7 +163,7 @@ def _validate_qk_clip(args) -> None:
             "are not whole; use --use-matrix-fsdp (each linear_qkv's owner rescales its own master), or "
             "--log-max-attention-logit to log without clipping"
         )
-    if args.qk_layernorm:
+    if args.qk_layernorm and not args.multi_latent_attention:  # MLA's norms act before its up projections
         args.notices.append(
             "--qk-clip with --qk-layernorm: the norms rescale queries and keys after linear_qkv, so scaling its "
             "rows leaves the logits as they are (megatron-core clips the weights the same way)"
@@ -186,7 +210,7 @@ RECOMPUTE_MODULES_OF = {
     "moe_act": "MoE layers (the experts' activation)",
     "moe": "MoE layers (the whole layer)",
     "shared_experts": "MoE layers (the shared experts)",
-    "mla_up_proj": "multi-latent attention",
+    "mla_up_proj": "multi-latent attention (its up projections)",
     "gdn_norm_out": "gated delta net layers",
     "gdp_in_proj": "Gated DeltaProduct layers",
     "gdp_qkv": "Gated DeltaProduct layers",
@@ -295,12 +319,18 @@ def _tp_local_matrix_shapes(args) -> dict:
     tp, heads, kv = args.tensor_model_parallel_size, args.num_attention_heads, args.kv_channels
     groups = args.num_query_groups if args.group_query_attention else heads
     ffn_out = args.ffn_hidden_size * (2 if args.swiglu else 1)
-    return {
-        "linear_qkv.weight": ((heads + 2 * groups) * kv // tp, args.hidden_size),
-        "linear_proj.weight": (args.hidden_size, heads * kv // tp),
+    mlp = {
         "linear_fc1.weight": (ffn_out // tp, args.hidden_size),
         "linear_fc2.weight": (args.hidden_size, args.ffn_hidden_size // tp),
     }
+    if args.multi_latent_attention:
+        from ...models.gpt.mla import attention_shapes
+
+        return {name: shape for name, shape in attention_shapes(vars(args), tp) if len(shape) == 2} | mlp
+    return {
+        "linear_qkv.weight": ((heads + 2 * groups) * kv // tp, args.hidden_size),
+        "linear_proj.weight": (args.hidden_size, heads * kv // tp),
+    } | mlp
 
 
 def validate_schedule(args) -> None:

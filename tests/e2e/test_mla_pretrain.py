@@ -1,0 +1,81 @@
+"""pretrain_gpt.py with Megatron-LM's multi-latent attention flags: a tiny MLA GPT (megatron-core's
+MLASelfAttention on the local spec, query and key/value latents, YaRN at factor 1) trains on one rank and on
+MatrixFSDP at DP 2 to the same losses, saves and resumes under megatron-core's own keys, and --qk-clip clips it;
+TP above 1 and the inference-only MLA flags are refused by name."""
+
+import re
+
+from tests.launch import TINY, parse_error, pretrain_in_workers, train_losses
+
+_GQA = ("--group-query-attention", "--num-query-groups", "2")
+BASE = [f for i, f in enumerate(TINY) if f not in _GQA[:2] and not (TINY[i - 1] == "--num-query-groups")]
+MLA = [
+    *BASE,
+    "--multi-latent-attention",
+    "--q-lora-rank",
+    "24",
+    "--kv-lora-rank",
+    "16",
+    "--qk-head-dim",
+    "8",
+    "--qk-pos-emb-head-dim",
+    "8",
+    "--v-head-dim",
+    "16",
+    "--qk-layernorm",
+    "--normalization",
+    "RMSNorm",
+    "--position-embedding-type",
+    "rope",
+    "--disable-bias-linear",
+    "--eval-iters",
+    "0",
+]
+MFSDP = "--use-matrix-fsdp"
+LOGIT = re.compile(r" max_attention_logit: ([\d.E+-]+) \|")
+
+
+def test_mla_trains_at_dp2_as_one_process_and_resumes(tmp_path):
+    """1 rank and DP 2 on MatrixFSDP (Muon on every MLA projection, each whole on its owner): the same losses
+    within 1e-5, falling; a checkpoint saved at iteration 3 of the DP 2 run (megatron-core's sharded keys of
+    linear_q_down_proj, ...) resumes on one rank to the uninterrupted run's last losses."""
+    one = train_losses(pretrain_in_workers(1, *MLA, MFSDP, tmp_path=tmp_path))
+    save = tmp_path / "ckpt"
+    two = train_losses(
+        pretrain_in_workers(2, *MLA, MFSDP, "--save", str(save), "--save-interval", "3", tmp_path=tmp_path)
+    )
+    worst = max(abs(a - b) for a, b in zip(one, two))
+    print(f"\nMLA DP 2 against one process: losses {worst:.2e} apart")
+    assert len(one) == len(two) == 5 and worst <= 1e-5, (one, two)
+    assert one[-1] < one[0] - 0.1, one
+    from torch.distributed.checkpoint import FileSystemReader
+
+    keys = FileSystemReader(str(save / "iter_0000003")).read_metadata().state_dict_metadata
+    for proj in ("linear_q_down_proj", "linear_q_up_proj", "linear_kv_down_proj", "linear_kv_up_proj"):
+        assert f"decoder.layers.self_attention.{proj}.weight" in keys, sorted(keys)
+    assert "decoder.layers.self_attention.kv_layernorm.weight" in keys
+    (save / "latest_checkpointed_iteration.txt").write_text("3")
+    resumed = train_losses(pretrain_in_workers(1, *MLA, MFSDP, "--load", str(save), tmp_path=tmp_path))
+    worst = max(abs(a - b) for a, b in zip(resumed, one[3:]))
+    print(f"MLA resumed at iteration 3 on one rank: last losses {worst:.2e} from the uninterrupted run")
+    assert len(resumed) == 2 and worst <= 1e-5, (resumed, one)
+
+
+def test_mla_qk_clip_clips_and_mla_refusals(tmp_path, capsys):
+    """A threshold below the first max logit: the logged max logits of the clipped run stay below the
+    unclipped run's after step 1 and its losses differ. TP 2 and --cache-mla-latents exit 2 by name."""
+    flags = [*MLA, MFSDP, "--log-max-attention-logit"]
+    free = pretrain_in_workers(1, *flags, tmp_path=tmp_path)
+    free_logits = [float(v) for v in LOGIT.findall(free["stdout"])]
+    threshold = free_logits[0] / 2
+    clipped = pretrain_in_workers(1, *flags, "--qk-clip", "--qk-clip-threshold", str(threshold), tmp_path=tmp_path)
+    logits = [float(v) for v in LOGIT.findall(clipped["stdout"])]
+    print(f"\nMLA max logits without the clip {free_logits}, with threshold {threshold:.4g}: {logits}")
+    assert len(logits) == len(free_logits) == 5 and logits[0] == free_logits[0] > threshold
+    assert all(a < b for a, b in zip(logits[1:], free_logits[1:])), (logits, free_logits)
+    assert train_losses(clipped)[1:] != train_losses(free)[1:]
+    err = parse_error([*MLA, "--tensor-model-parallel-size", "2"], capsys)
+    assert "--multi-latent-attention with --tensor-model-parallel-size 2" in err, err
+    assert "--cache-mla-latents" in parse_error([*MLA, "--cache-mla-latents"], capsys)
+    assert "exclude each other" in parse_error([*MLA, "--group-query-attention"], capsys)
+    assert "--rope-type yarn" in parse_error([*BASE, "--rope-type", "yarn"], capsys)
