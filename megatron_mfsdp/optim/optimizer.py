@@ -165,7 +165,7 @@ class MatrixFSDPOptimizer(MegatronOptimizer):
         """Per lr group (in order), per shard domain ("dense", then "expert" where there is one), every
         rank's parameters of it with their per-rank bounds over that domain's shard group: what a rule
         that rebuilds whole matrices over the group needs (StepContext.matrices)."""
-        domains = list(self.model_chunks[0].domains)
+        domains = dict.fromkeys(name for chunk in self.model_chunks for name in chunk.domains)  # some lack experts
         members = {key: {name: [] for name in domains} for key in param_groups}
         for chunk in self.model_chunks:
             for unit in chunk.units:
@@ -391,7 +391,7 @@ class MatrixFSDPOptimizer(MegatronOptimizer):
         """(pieces, StepContext) of each call of ``rule`` on an lr group: one call on the owner's pieces;
         a collective rule (the even layout's) once per shard domain, over that domain's shard group with
         its matrices, dense first on every rank."""
-        domains = self.model_chunks[0].domains
+        domains = {name: d for chunk in reversed(self.model_chunks) for name, d in chunk.domains.items()}
 
         def context(shard, members):
             ctx = StepContext(

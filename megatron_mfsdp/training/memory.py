@@ -178,8 +178,9 @@ def _owner_figures(args, chunks, optimizer, groups) -> tuple | None:
     dense = chunks[0].domains["dense"]
     held = owner_bytes(chunks, config, dense.dp_rank)
     experts = None
-    if "expert" in chunks[0].domains:
-        domain = chunks[0].domains["expert"]
+    with_experts = [c for c in chunks if "expert" in c.domains]  # a virtual stage may hold dense layers only
+    if with_experts:
+        domain = with_experts[0].domains["expert"]
         mine = owner_bytes(chunks, config, domain.dp_rank, "expert")
         held = {k: v + mine[k] for k, v in held.items()}
         every = [sum(owner_bytes(chunks, config, r, "expert").values()) for r in range(domain.dp_size)]
