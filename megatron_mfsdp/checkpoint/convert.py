@@ -214,6 +214,8 @@ def check_layout(stored: dict, tp: int, pp: int, ep: int = 1) -> None:
     ):
         if count is not None and count % tp:
             raise hf.ConversionError(f"--target-tensor-parallel-size {tp} does not divide {what}={count}")
+    if stored.get("multi_latent_attention") and tp != 1:  # as training/arguments/validate.py
+        raise hf.ConversionError(f"--target-tensor-parallel-size {tp}: multi-latent attention runs at TP 1 only")
     if stored["num_layers"] % pp:
         raise hf.ConversionError(
             f"--target-pipeline-parallel-size {pp} does not divide num_layers={stored['num_layers']}"
