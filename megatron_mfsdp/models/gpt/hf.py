@@ -1,5 +1,6 @@
-"""Hugging Face checkpoints <-> megatron-core GPTModel: LlamaForCausalLM, GPT2LMHeadModel and
-Qwen3MoeForCausalLM (mixture of experts, as megatron-core's MoE layer with SequentialMLP experts).
+"""Hugging Face checkpoints <-> megatron-core GPTModel: LlamaForCausalLM, GPT2LMHeadModel,
+Qwen3MoeForCausalLM (mixture of experts, as megatron-core's MoE layer with SequentialMLP experts) and
+DeepseekV3ForCausalLM (Moonlight's, Kimi K2's: multi-latent attention and MoE layers with a shared expert).
 
 Our side is a state dict with the global (1 x 1 x 1, TP=1) parameter names of megatron-core's
 GPTModel built from the local layer spec (build.py), e.g.
@@ -1179,9 +1180,9 @@ def _convert(src: _Tensors, model_args: dict, arch: str, to_megatron: bool) -> d
 
 
 def hf_to_megatron(hf_state_dict: dict, hf_config, make_vocab_size_divisible_by: int = 128) -> tuple[dict, dict]:
-    """(megatron state dict, model_args) of a LlamaForCausalLM, GPT2LMHeadModel or Qwen3MoeForCausalLM
-    checkpoint (Qwen3-MoE experts as the files store them, one Linear each, or as transformers holds them
-    in memory, 3D); the vocabulary is padded to a multiple of ``make_vocab_size_divisible_by`` with zero rows."""
+    """(megatron state dict, model_args) of a LlamaForCausalLM, GPT2LMHeadModel, Qwen3MoeForCausalLM or
+    DeepseekV3ForCausalLM checkpoint (MoE experts as the files store them, one Linear each, or as transformers
+    holds them in memory, 3D); the vocabulary is padded to a multiple of ``make_vocab_size_divisible_by`` with zero rows."""
     cfg = _as_config(hf_config)
     if cfg.model_type == "llama":
         args = _llama_args(cfg, make_vocab_size_divisible_by)
@@ -1210,9 +1211,9 @@ def hf_to_megatron(hf_state_dict: dict, hf_config, make_vocab_size_divisible_by:
 
 
 def megatron_to_hf(state_dict: dict, model_args: dict, config_overrides: dict | None = None):
-    """(HF state dict as save_pretrained writes it, HF config) of a whole GPTModel: Qwen3-MoE when
-    model_args has num_experts, else Llama when it has swiglu, else GPT-2 (``architecture``).
-    ``config_overrides`` sets what megatron does not carry
+    """(HF state dict as save_pretrained writes it, HF config) of a whole GPTModel: DeepSeek-V3 when
+    model_args has num_experts and multi_latent_attention, Qwen3-MoE with num_experts alone, else Llama when
+    it has swiglu, else GPT-2 (``architecture``). ``config_overrides`` sets what megatron does not carry
     (bos_token_id, eos_token_id, ...). Padded vocabulary rows are sliced off."""
     args = _resolved(model_args)
     _refuse_unsupported(args)
