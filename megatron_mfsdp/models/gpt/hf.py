@@ -507,6 +507,10 @@ def _deepseek_v3_args(cfg, divisible_by: int) -> dict:
     args = _common_args(cfg, cfg.num_hidden_layers, cfg.hidden_size, heads, heads, cfg.max_position_embeddings)
     args.update(**_deepseek_v3_rope(cfg), **_vocab_args(cfg.vocab_size, divisible_by))
     args.update(
+        # what a pretrain_gpt.py run with --multi-latent-attention stores (MLA has no query groups, and
+        # Megatron-LM's validate_args sets kv_channels to hidden / heads; MLA reads its own head dims)
+        num_query_groups=1,
+        kv_channels=cfg.hidden_size // heads,
         ffn_hidden_size=cfg.intermediate_size,  # the first_k_dense_replace layers' DeepseekV3MLP
         position_embedding_type="rope",
         normalization="RMSNorm",
@@ -1182,7 +1186,8 @@ def _convert(src: _Tensors, model_args: dict, arch: str, to_megatron: bool) -> d
 def hf_to_megatron(hf_state_dict: dict, hf_config, make_vocab_size_divisible_by: int = 128) -> tuple[dict, dict]:
     """(megatron state dict, model_args) of a LlamaForCausalLM, GPT2LMHeadModel, Qwen3MoeForCausalLM or
     DeepseekV3ForCausalLM checkpoint (MoE experts as the files store them, one Linear each, or as transformers
-    holds them in memory, 3D); the vocabulary is padded to a multiple of ``make_vocab_size_divisible_by`` with zero rows."""
+    holds them in memory, 3D); the vocabulary is padded to a multiple of ``make_vocab_size_divisible_by`` with
+    zero rows."""
     cfg = _as_config(hf_config)
     if cfg.model_type == "llama":
         args = _llama_args(cfg, make_vocab_size_divisible_by)
