@@ -6,8 +6,8 @@ writes it:
 
 - ``mfsdp``: our ``--ckpt-format torch_dist`` checkpoints (model_files.py), read from any layout;
   written at 1 x 1 x 1, which dist_checkpointing reshards when a run loads it at another layout;
-- ``hf``: a Hugging Face LlamaForCausalLM, GPT2LMHeadModel or Qwen3MoeForCausalLM folder (safetensors,
-  config.json and the tokenizer files when the source has them), mapped by models/gpt/hf.py.
+- ``hf``: a Hugging Face LlamaForCausalLM, GPT2LMHeadModel, Qwen3MoeForCausalLM or DeepseekV3ForCausalLM
+  folder (safetensors, config.json and the tokenizer files when the source has them), mapped by models/gpt/hf.py.
 
 Megatron-LM's own loader and saver names (``LOADERS``, ``SAVERS``; tools/checkpoint/ at HEAD has
 loader_core/saver_core, with ``mcore`` its old spelling, and core_v0.16.1 also loader_llama_mistral,
@@ -43,7 +43,7 @@ DTYPE_FLAGS = {torch.bfloat16: {"bf16": True, "fp16": False}, torch.float16: {"b
 
 
 _TORCH_DIST = "--ckpt-format torch_dist (Megatron-LM's layout: megatron-mfsdp's or Megatron-LM's own, any TP x PP x DP)"
-_HF = "a Hugging Face LlamaForCausalLM, GPT2LMHeadModel or Qwen3MoeForCausalLM folder"
+_HF = "a Hugging Face LlamaForCausalLM, GPT2LMHeadModel, Qwen3MoeForCausalLM or DeepseekV3ForCausalLM folder"
 _LEGACY = (
     "Megatron-LM's legacy checkpoints (per-rank mp_rank_* files of its non-megatron-core models) are not {}; "
     "convert them with Megatron-LM's own tools/checkpoint/convert.py to core (torch_dist) first"
@@ -214,6 +214,8 @@ def check_layout(stored: dict, tp: int, pp: int, ep: int = 1) -> None:
     ):
         if count is not None and count % tp:
             raise hf.ConversionError(f"--target-tensor-parallel-size {tp} does not divide {what}={count}")
+    if stored.get("multi_latent_attention") and tp != 1:  # as training/arguments/validate.py
+        raise hf.ConversionError(f"--target-tensor-parallel-size {tp}: multi-latent attention runs at TP 1 only")
     if stored["num_layers"] % pp:
         raise hf.ConversionError(
             f"--target-pipeline-parallel-size {pp} does not divide num_layers={stored['num_layers']}"

@@ -507,8 +507,8 @@ def test_megatron_loader_and_saver_names_are_our_formats(tmp_path, capsys):
     assert "note: --model-size llama3: the model is read from config.json" in out
     assert "note: --max-queue-size: not needed here" in out
     assert (
-        "converted llama_mistral [a Hugging Face LlamaForCausalLM, GPT2LMHeadModel or Qwen3MoeForCausalLM folder ("
-        in out
+        "converted llama_mistral [a Hugging Face LlamaForCausalLM, GPT2LMHeadModel, Qwen3MoeForCausalLM or "
+        "DeepseekV3ForCausalLM folder (" in out
     )
     assert "-> core [--ckpt-format torch_dist (Megatron-LM's layout" in out
     args, _ = read_model_checkpoint(str(tmp_path / "core"))

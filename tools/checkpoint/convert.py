@@ -24,8 +24,9 @@ EPILOG = (
     "loads them at another layout. --target-tensor/pipeline/expert-parallel-size set the layout stored in the "
     "args (what --use-checkpoint-args resumes at) and the vocabulary padding of that TP. A converted checkpoint "
     "has no optimizer state: resume from it with --finetune or --no-load-optim. hf (and Megatron-LM's "
-    "llama_mistral loader with --checkpoint-type hf) is a LlamaForCausalLM, GPT2LMHeadModel or "
-    "Qwen3MoeForCausalLM folder (safetensors + config.json, tokenizer files when the source has them). "
+    "llama_mistral loader with --checkpoint-type hf) is a LlamaForCausalLM, GPT2LMHeadModel, "
+    "Qwen3MoeForCausalLM or DeepseekV3ForCausalLM folder (safetensors + config.json, tokenizer files when the "
+    "source has them). "
     "Megatron-LM's legacy (and its old name megatron) checkpoints of non-megatron-core models are refused. "
     "Settings either side cannot express are refused by name."
 )

@@ -1,5 +1,6 @@
-"""Hugging Face checkpoints <-> megatron-core GPTModel: LlamaForCausalLM, GPT2LMHeadModel and
-Qwen3MoeForCausalLM (mixture of experts, as megatron-core's MoE layer with SequentialMLP experts).
+"""Hugging Face checkpoints <-> megatron-core GPTModel: LlamaForCausalLM, GPT2LMHeadModel,
+Qwen3MoeForCausalLM (mixture of experts, as megatron-core's MoE layer with SequentialMLP experts) and
+DeepseekV3ForCausalLM (Moonlight's, Kimi K2's: multi-latent attention and MoE layers with a shared expert).
 
 Our side is a state dict with the global (1 x 1 x 1, TP=1) parameter names of megatron-core's
 GPTModel built from the local layer spec (build.py), e.g.
@@ -65,6 +66,16 @@ MEGATRON_DEFAULTS = {
     "moe_expert_capacity_factor": None,
     "moe_apply_probs_on_input": False,
     "multi_latent_attention": False,
+    "q_lora_rank": None,
+    "kv_lora_rank": 32,
+    "qk_head_dim": 128,
+    "qk_pos_emb_head_dim": 64,
+    "v_head_dim": 128,
+    "rope_type": None,  # None: MLATransformerConfig's default, yarn
+    "rotary_scaling_factor": 1.0,
+    "mscale": 1.0,
+    "mscale_all_dim": 0.0,
+    "mtp_num_layers": None,
     "vocab_size": None,
     "padded_vocab_size": None,
 }
@@ -81,6 +92,7 @@ LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_po
 IGNORED = {
     "llama": (r"model\.(layers\.\d+\.self_attn\.)?rotary_emb\.(original_)?inv_freq",),
     "qwen3_moe": (r"model\.(layers\.\d+\.self_attn\.)?rotary_emb\.(original_)?inv_freq",),
+    "deepseek_v3": (r"model\.(layers\.\d+\.self_attn\.)?rotary_emb\.(original_)?inv_freq",),
     "gpt2": (r"(transformer\.)?h\.\d+\.attn\.(bias|masked_bias)",),
     "megatron": (r".*\._extra_state",),
 }
@@ -396,6 +408,144 @@ def _qwen3_moe_args(cfg, divisible_by: int) -> dict:
     return args
 
 
+# megatron-core's YaRN settings that Megatron-LM 0.16.1 cannot set from pretrain_gpt.py (its --yarn-* flags,
+# refused by training/arguments/refused.py): MLATransformerConfig's defaults (transformer_config.py at
+# core_v0.16.1), which a DeepSeek-V3 yarn rope_parameters must match.
+MLA_YARN_FIXED = {"original_max_position_embeddings": 4096, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": True}
+# DeepseekV3Attention's q_a_layernorm and kv_a_layernorm are DeepseekV3RMSNorm(rank) at its default eps;
+# megatron-core's q_layernorm/kv_layernorm use --norm-epsilon like every other norm.
+DEEPSEEK_V3_LATENT_NORM_EPS = 1e-6
+
+
+def _deepseek_v3_rope(cfg) -> dict:
+    """MLA's rotary dests of a DeepseekV3Config's rope_parameters (transformers/modeling_rope_utils.py
+    _compute_yarn_parameters, yarn_apply_mscale) against megatron-core's MLASelfAttention (rope_type rope:
+    RotaryEmbedding; yarn: YarnRotaryEmbedding, models/common/embeddings/yarn_rotary_pos_embedding.py, and the
+    softmax scale mscale(factor, mscale_all_dim)^2 / sqrt(q/k head dim), transformer/multi_latent_attention.py)."""
+    params = dict(getattr(cfg, "rope_scaling", None) or {})
+    params.update(getattr(cfg, "rope_parameters", None) or {})
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    theta = params.get("rope_theta", getattr(cfg, "rope_theta", None))
+    if theta is None:
+        _refuse("rope_theta", theta, "the rotary base is not set")
+    if params.get("partial_rotary_factor", 1.0) != 1.0:
+        _refuse("partial_rotary_factor", params["partial_rotary_factor"], "MLA rotates all qk_rope_head_dim dims")
+    settings = {"rotary_base": int(theta) if float(theta).is_integer() else float(theta), "rotary_percent": 1.0}
+    if rope_type == "default":
+        # rope_type rope: no YaRN; factor 1 keeps MLA's softmax scale at 1 / sqrt(q/k head dim)
+        return dict(settings, rope_type="rope", rotary_scaling_factor=1.0, mscale=1.0, mscale_all_dim=0.0)
+    if rope_type != "yarn":
+        _refuse("rope_parameters.rope_type", rope_type, "megatron-core's MLA has default (rope) and yarn RoPE only")
+    for key, value in MLA_YARN_FIXED.items():
+        given = params.get(key)  # transformers' defaults: beta_fast 32, beta_slow 1, truncate True
+        given = value if given is None and key != "original_max_position_embeddings" else given
+        if given != value:
+            _refuse(f"rope_parameters.{key}", given, f"megatron's MLA YaRN fixes it to {value} (no --yarn-* flags)")
+    if params.get("attention_factor") is not None:
+        _refuse("rope_parameters.attention_factor", params["attention_factor"], "megatron derives it from mscale")
+    factor = params.get("factor")
+    if factor is None:
+        _refuse("rope_parameters.factor", None, "megatron's --rotary-scaling-factor must be given")
+    mscale, all_dim = params.get("mscale"), params.get("mscale_all_dim")
+    # transformers: attention factor mscale(f, mscale) / mscale(f, mscale_all_dim) when both are set (truthy),
+    # else mscale(f, 1); softmax scale x mscale(f, mscale_all_dim)^2 when mscale_all_dim is set. megatron-core:
+    # always mscale(f, --mscale) / mscale(f, --mscale-all-dim), and mscale(f, 0) = 1.
+    if all_dim and not mscale:
+        _refuse(
+            "rope_parameters.mscale",
+            mscale,
+            "with mscale_all_dim set, transformers then ignores mscale_all_dim in the rotary scale; megatron does not",
+        )
+    if not all_dim:
+        mscale, all_dim = 1.0, 0.0  # transformers' mscale(f, 1); megatron's mscale(f, 1) / mscale(f, 0)
+    return dict(
+        settings,
+        rope_type="yarn",
+        rotary_scaling_factor=float(factor),
+        mscale=float(mscale),
+        mscale_all_dim=float(all_dim),
+    )
+
+
+def _deepseek_v3_args(cfg, divisible_by: int) -> dict:
+    """DeepseekV3Config (transformers/models/deepseek_v3/configuration_deepseek_v3.py) as Megatron-LM dests:
+    multi-latent attention (--multi-latent-attention, --q-lora-rank, ..., --qk-layernorm for q_a_layernorm and
+    kv_a_layernorm), first_k_dense_replace dense layers (--moe-layer-freq as a 0/1 list, --ffn-hidden-size),
+    then MoE layers with one shared expert MLP and a sigmoid router with group-limited top-k and the
+    aux-loss-free expert bias (e_score_correction_bias)."""
+    if cfg.hidden_act != "silu":
+        _refuse("hidden_act", cfg.hidden_act, "megatron's --swiglu gates with SiLU")
+    if cfg.attention_bias:
+        _refuse("attention_bias", True, "megatron-core's MLA projections have no bias")
+    if cfg.num_key_value_heads != cfg.num_attention_heads:
+        _refuse("num_key_value_heads", cfg.num_key_value_heads, "MLA gives every head its own key and value")
+    if float(cfg.rms_norm_eps) != DEEPSEEK_V3_LATENT_NORM_EPS:
+        _refuse(
+            "rms_norm_eps",
+            cfg.rms_norm_eps,
+            f"q_a_layernorm/kv_a_layernorm use {DEEPSEEK_V3_LATENT_NORM_EPS}; megatron's use --norm-epsilon",
+        )
+    if not cfg.rope_interleave:
+        _refuse("rope_interleave", False, "megatron-core's MLA de-interleaves the rotary dims (rope_utils.py)")
+    if not cfg.n_shared_experts:
+        _refuse("n_shared_experts", cfg.n_shared_experts, "a DeepSeek-V3 MoE layer is converted with its shared expert")
+    topk, groups, group_topk = cfg.num_experts_per_tok, cfg.n_group or 1, cfg.topk_group or 1
+    if cfg.n_routed_experts % groups:
+        _refuse("n_group", groups, f"does not divide n_routed_experts={cfg.n_routed_experts}")
+    limited = group_topk < groups  # all groups kept: no group limit (Moonlight's and Kimi K2's n_group=1)
+    if limited and topk != 2 * group_topk:
+        # DeepseekV3TopkRouter ranks groups by their top-2 scores; megatron-core's group_limited_topk
+        # (moe/moe_utils.py) by their top-(topk // group_topk)
+        _refuse("topk_group", group_topk, f"megatron ranks groups by top-(topk/topk_group), {topk}/{group_topk} != 2")
+    if cfg.norm_topk_prob != (topk > 1):
+        # megatron-core's sigmoid routing divides the top-k scores by their sum exactly when topk > 1
+        _refuse("norm_topk_prob", cfg.norm_topk_prob, f"megatron's sigmoid router normalizes iff topk > 1 ({topk})")
+    dense = min(cfg.first_k_dense_replace or 0, cfg.num_hidden_layers)
+    if dense == cfg.num_hidden_layers:
+        _refuse("first_k_dense_replace", cfg.first_k_dense_replace, "no layer is an MoE layer")
+    heads = cfg.num_attention_heads
+    args = _common_args(cfg, cfg.num_hidden_layers, cfg.hidden_size, heads, heads, cfg.max_position_embeddings)
+    args.update(**_deepseek_v3_rope(cfg), **_vocab_args(cfg.vocab_size, divisible_by))
+    args.update(
+        # what a pretrain_gpt.py run with --multi-latent-attention stores (MLA has no query groups, and
+        # Megatron-LM's validate_args sets kv_channels to hidden / heads; MLA reads its own head dims)
+        num_query_groups=1,
+        kv_channels=cfg.hidden_size // heads,
+        ffn_hidden_size=cfg.intermediate_size,  # the first_k_dense_replace layers' DeepseekV3MLP
+        position_embedding_type="rope",
+        normalization="RMSNorm",
+        layernorm_epsilon=float(cfg.rms_norm_eps),
+        qk_layernorm=True,  # q_a_layernorm, kv_a_layernorm
+        swiglu=True,
+        openai_gelu=False,
+        add_bias_linear=False,
+        untie_embeddings_and_output_weights=not cfg.tie_word_embeddings,
+        hidden_dropout=0.0,
+        attention_dropout=float(cfg.attention_dropout),
+        multi_latent_attention=True,
+        q_lora_rank=cfg.q_lora_rank,
+        kv_lora_rank=cfg.kv_lora_rank,
+        qk_head_dim=cfg.qk_nope_head_dim,
+        qk_pos_emb_head_dim=cfg.qk_rope_head_dim,
+        v_head_dim=cfg.v_head_dim,
+        num_experts=cfg.n_routed_experts,
+        moe_layer_freq=[int(i >= dense) for i in range(cfg.num_hidden_layers)],
+        moe_ffn_hidden_size=cfg.moe_intermediate_size,
+        moe_shared_expert_intermediate_size=cfg.moe_intermediate_size * cfg.n_shared_experts,
+        moe_router_topk=topk,
+        moe_router_score_function="sigmoid",
+        moe_router_enable_expert_bias=True,  # e_score_correction_bias <-> the router's expert_bias buffer
+        moe_router_num_groups=groups if limited else None,
+        moe_router_group_topk=group_topk if limited else None,
+        moe_router_topk_scaling_factor=float(cfg.routed_scaling_factor),
+        moe_router_pre_softmax=False,
+        # DeepSeek-V3 balances with the expert bias; transformers computes no auxiliary loss for it
+        moe_router_load_balancing_type="none",
+        moe_aux_loss_coeff=0.0,
+    )
+    return args
+
+
 # ----------------------------------------------------------------------------------------
 # Settings: model_args -> HF config, TransformerConfig
 # ----------------------------------------------------------------------------------------
@@ -423,21 +573,30 @@ def transformer_args(model_args: dict) -> dict:
     return _resolved(model_args)
 
 
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "gpt2": "GPT2LMHeadModel", "qwen3_moe": "Qwen3MoeForCausalLM"}
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "gpt2": "GPT2LMHeadModel",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
+}
 
 
 def architecture(model_args: dict) -> str:
-    """The Hugging Face model_type a model_args dict converts to: qwen3_moe with experts
-    (--num-experts), else llama with --swiglu, else gpt2 (``ARCHITECTURES`` names their classes)."""
+    """The Hugging Face model_type a model_args dict converts to: deepseek_v3 with experts and
+    --multi-latent-attention, qwen3_moe with experts (--num-experts), else llama with --swiglu, else gpt2
+    (``ARCHITECTURES`` names their classes)."""
     args = _resolved(model_args)
     if args["num_experts"]:
-        return "qwen3_moe"
+        return "deepseek_v3" if args["multi_latent_attention"] else "qwen3_moe"
     return "llama" if args["swiglu"] else "gpt2"
 
 
 def _refuse_unsupported(model_args: dict) -> None:
     """Megatron settings with no counterpart in the Hugging Face architecture chosen."""
     moe = bool(model_args["num_experts"])
+    mla = moe and bool(model_args["multi_latent_attention"])
+    if model_args["mtp_num_layers"]:
+        _refuse("mtp_num_layers", model_args["mtp_num_layers"], "multi-token prediction modules are not converted")
     for dest in (
         "qk_layernorm",
         "rotary_interleaved",
@@ -449,14 +608,53 @@ def _refuse_unsupported(model_args: dict) -> None:
         "num_experts",
         "rotary_seq_len_interpolation_factor",
     ):
-        if moe and dest in ("qk_layernorm", "num_experts"):
+        if moe and dest in ("qk_layernorm", "num_experts") or mla and dest == "multi_latent_attention":
             continue
         if model_args[dest]:
             _refuse(dest, model_args[dest], "neither LlamaForCausalLM nor GPT2LMHeadModel has it")
     if model_args["rotary_percent"] != 1.0:
         _refuse("rotary_percent", model_args["rotary_percent"], "LlamaForCausalLM rotates the whole head")
-    if moe:
+    if mla:
+        _refuse_unsupported_deepseek_v3(model_args)
+    elif moe:
         _refuse_unsupported_moe(model_args)
+
+
+def _refuse_unsupported_deepseek_v3(args: dict) -> None:
+    """megatron-core MoE and MLA settings that DeepseekV3ForCausalLM cannot express (its router: sigmoid,
+    e_score_correction_bias for the choice only, groups ranked by their top-2 scores, top-k renormalized,
+    times routed_scaling_factor; one ungated shared expert MLP of n_shared_experts x moe_intermediate_size)."""
+    arch = "DeepseekV3ForCausalLM"
+    shared, size = args["moe_shared_expert_intermediate_size"], args["moe_ffn_hidden_size"]
+    if not shared or shared % size:
+        _refuse("moe_shared_expert_intermediate_size", shared, f"{arch}'s shared expert is n x {size} wide")
+    if args.get("moe_shared_expert_gate"):
+        _refuse("moe_shared_expert_gate", True, f"{arch}'s shared expert has no gate")
+    if args["moe_router_score_function"] != "sigmoid":
+        _refuse("moe_router_score_function", args["moe_router_score_function"], f"{arch}'s router scores by sigmoid")
+    groups, group_topk, topk = args["moe_router_num_groups"], args["moe_router_group_topk"], args["moe_router_topk"]
+    if bool(groups) != bool(group_topk):
+        _refuse("moe_router_group_topk", group_topk, f"needs moe_router_num_groups (={groups}) with it")
+    if group_topk and group_topk < groups and topk != 2 * group_topk:
+        _refuse("moe_router_group_topk", group_topk, f"{arch} ranks groups by top-2 scores; topk/group_topk != 2")
+    if args["moe_expert_capacity_factor"] is not None:
+        _refuse("moe_expert_capacity_factor", args["moe_expert_capacity_factor"], f"{arch} drops no tokens")
+    if args["moe_apply_probs_on_input"]:
+        _refuse("moe_apply_probs_on_input", True, f"{arch} scales each expert's output by its weight")
+    balancing = args["moe_router_load_balancing_type"]
+    if "sinkhorn" in (balancing if isinstance(balancing, list) else [balancing]):
+        _refuse("moe_router_load_balancing_type", balancing, f"{arch} routes by sigmoid top-k, not Sinkhorn")
+    if args["rotary_percent"] != 1.0:
+        _refuse("rotary_percent", args["rotary_percent"], f"{arch} rotates all qk_rope_head_dim dims")
+    factor = float(args["rotary_scaling_factor"])
+    mscale, all_dim = float(args["mscale"]), float(args["mscale_all_dim"])
+    if (args["rope_type"] or "yarn") == "rope":
+        if factor > 1 and all_dim:
+            _refuse("mscale_all_dim", all_dim, f"with rope_type rope megatron still scales the softmax; {arch} not")
+    elif factor > 1 and (mscale != 1 if not all_dim else not mscale):
+        # transformers' YaRN (modeling_rope_utils.py): mscale(f, mscale) / mscale(f, mscale_all_dim) only when
+        # both are set, else mscale(f, 1)
+        _refuse("mscale", mscale, f"{arch}'s YaRN reads mscale only with mscale_all_dim set (={all_dim})")
 
 
 def _refuse_unsupported_moe(args: dict) -> None:
@@ -612,6 +810,65 @@ def _qwen3_moe_config(model_args: dict):
     )
 
 
+def _deepseek_v3_config(model_args: dict):
+    from transformers import DeepseekV3Config
+
+    _expect(
+        model_args,
+        "DeepseekV3ForCausalLM (chosen by num_experts with multi_latent_attention)",
+        swiglu=True,
+        normalization="RMSNorm",
+        qk_layernorm=True,
+        add_bias_linear=False,
+        add_qkv_bias=False,
+        layernorm_epsilon=DEEPSEEK_V3_LATENT_NORM_EPS,
+    )
+    pattern = moe_layer_pattern(model_args)
+    dense = pattern.index(True) if any(pattern) else len(pattern)
+    if pattern != [i >= dense for i in range(len(pattern))]:
+        _refuse("moe_layer_freq", model_args["moe_layer_freq"], "DeepSeek-V3 has dense layers first, then MoE only")
+    rope = {"rope_type": "default", "rope_theta": float(model_args["rotary_base"])}
+    if (model_args["rope_type"] or "yarn") == "yarn":
+        fixed = {k: v for k, v in MLA_YARN_FIXED.items() if k != "truncate"}
+        rope.update(rope_type="yarn", factor=float(model_args["rotary_scaling_factor"]), **fixed)
+        rope.update(mscale=float(model_args["mscale"]), mscale_all_dim=float(model_args["mscale_all_dim"]))
+    groups, group_topk = model_args["moe_router_num_groups"], model_args["moe_router_group_topk"]
+    scaling = model_args["moe_router_topk_scaling_factor"]
+    return DeepseekV3Config(
+        architectures=["DeepseekV3ForCausalLM"],
+        vocab_size=model_args["vocab_size"],
+        hidden_size=model_args["hidden_size"],
+        intermediate_size=model_args["ffn_hidden_size"],
+        moe_intermediate_size=model_args["moe_ffn_hidden_size"],
+        num_hidden_layers=model_args["num_layers"],
+        num_attention_heads=model_args["num_attention_heads"],
+        num_key_value_heads=model_args["num_attention_heads"],
+        n_shared_experts=model_args["moe_shared_expert_intermediate_size"] // model_args["moe_ffn_hidden_size"],
+        n_routed_experts=model_args["num_experts"],
+        routed_scaling_factor=1.0 if scaling is None else float(scaling),
+        kv_lora_rank=model_args["kv_lora_rank"],
+        q_lora_rank=model_args["q_lora_rank"],
+        qk_rope_head_dim=model_args["qk_pos_emb_head_dim"],
+        v_head_dim=model_args["v_head_dim"],
+        qk_nope_head_dim=model_args["qk_head_dim"],
+        n_group=groups or 1,
+        topk_group=group_topk or 1,
+        num_experts_per_tok=model_args["moe_router_topk"],
+        first_k_dense_replace=dense,
+        norm_topk_prob=model_args["moe_router_topk"] > 1,  # megatron's sigmoid router (see _deepseek_v3_args)
+        hidden_act="silu",
+        max_position_embeddings=model_args["max_position_embeddings"],
+        initializer_range=model_args["init_method_std"],
+        rms_norm_eps=model_args["layernorm_epsilon"],
+        tie_word_embeddings=not model_args["untie_embeddings_and_output_weights"],
+        rope_parameters=rope,
+        rope_interleave=True,
+        attention_bias=False,
+        attention_dropout=model_args["attention_dropout"],
+        num_nextn_predict_layers=0,
+    )
+
+
 # megatron-core TransformerConfig fields of an MoE model that are also Megatron-LM dests of the same name
 MOE_CONFIG_FIELDS = (
     "moe_layer_freq",
@@ -621,11 +878,31 @@ MOE_CONFIG_FIELDS = (
     "moe_router_score_function",
     "moe_router_load_balancing_type",
     "moe_aux_loss_coeff",
+    "moe_shared_expert_intermediate_size",
+    "moe_router_enable_expert_bias",
+    "moe_router_num_groups",
+    "moe_router_group_topk",
+    "moe_router_topk_scaling_factor",
+)
+# MLATransformerConfig fields (transformer_config.py at core_v0.16.1) that are Megatron-LM dests of the same name
+MLA_CONFIG_FIELDS = (
+    "multi_latent_attention",
+    "q_lora_rank",
+    "kv_lora_rank",
+    "qk_head_dim",
+    "qk_pos_emb_head_dim",
+    "v_head_dim",
+    "rotary_base",
+    "rotary_percent",
+    "rotary_scaling_factor",
+    "mscale",
+    "mscale_all_dim",
 )
 
 
 def transformer_config_kwargs(model_args: dict) -> tuple[dict, dict]:
-    """(megatron-core TransformerConfig kwargs, build_gpt_model kwargs) of a model_args dict:
+    """(megatron-core TransformerConfig kwargs, MLATransformerConfig's with multi_latent_attention,
+    build_gpt_model kwargs) of a model_args dict:
     the model's own settings only; add the run's (use_cpu_initialization, dtypes, parallel
     sizes, fusions) before building. Settings the converter refuses are refused here too."""
     import torch.nn.functional as F
@@ -643,6 +920,9 @@ def transformer_config_kwargs(model_args: dict) -> tuple[dict, dict]:
     config.update(qk_layernorm=args["qk_layernorm"])
     if args["num_experts"]:
         config.update({k: args[k] for k in MOE_CONFIG_FIELDS}, num_moe_experts=args["num_experts"])
+    if args["multi_latent_attention"]:  # build with MLATransformerConfig (config.py transformer_config does)
+        config.update({k: args[k] for k in MLA_CONFIG_FIELDS}, num_query_groups=None)
+        config.update({"rope_type": args["rope_type"]} if args["rope_type"] else {})
     model = {
         "vocab_size": args["padded_vocab_size"],
         "max_sequence_length": args["max_position_embeddings"],
@@ -784,6 +1064,55 @@ def _qwen3_moe_layers(src: _Tensors, dst: dict, model_args: dict, to_megatron: b
             _swiglu_mlp(src, dst, ours + "mlp.", theirs + "mlp.", to_megatron)
 
 
+def _deepseek_v3_layers(src: _Tensors, dst: dict, model_args: dict, to_megatron: bool) -> None:
+    """Per layer (transformers/models/deepseek_v3/modeling_deepseek_v3.py: DeepseekV3DecoderLayer) <->
+    megatron-core's MLASelfAttention (transformer/multi_latent_attention.py) and MoELayer, all renames, no
+    row reordering:
+
+    - q_a_proj, q_a_layernorm, q_b_proj (or q_proj) <-> linear_q_down_proj, q_layernorm, linear_q_up_proj
+      (linear_q_proj): per head [nope; rope] rows on both sides;
+    - kv_a_proj_with_mqa ([latent; shared rotary key] rows), kv_a_layernorm, kv_b_proj (per head
+      [key nope; value] rows) <-> linear_kv_down_proj, kv_layernorm, linear_kv_up_proj, the same orders;
+    - the rotary rows stay interleaved: DeepSeek-V3's rope_interleave rotates pairs (x0, x1), (x2, x3), ...
+      and megatron-core's MLA de-interleaves before rotate_half (rope_utils.py _apply_rotary_pos_emb_bshd),
+      the same rotation with the same output order;
+    - o_proj <-> linear_proj; gate.weight, gate.e_score_correction_bias <-> router.weight, router.expert_bias;
+      experts.{e} <-> experts.local_experts.{e}; shared_experts <-> shared_experts (gate|up fused)."""
+    for i, sparse in enumerate(moe_layer_pattern(model_args)):
+        ours, theirs = f"decoder.layers.{i}.", f"model.layers.{i}."
+        att, hf_att = ours + "self_attention.", theirs + "self_attn."
+        table = [
+            (ours + "input_layernorm.weight", theirs + "input_layernorm.weight", False),
+            (ours + "pre_mlp_layernorm.weight", theirs + "post_attention_layernorm.weight", False),
+            (att + "linear_proj.weight", hf_att + "o_proj.weight", False),
+            (att + "linear_kv_down_proj.weight", hf_att + "kv_a_proj_with_mqa.weight", False),
+            (att + "kv_layernorm.weight", hf_att + "kv_a_layernorm.weight", False),
+            (att + "linear_kv_up_proj.weight", hf_att + "kv_b_proj.weight", False),
+        ]
+        if model_args["q_lora_rank"] is None:
+            table.append((att + "linear_q_proj.weight", hf_att + "q_proj.weight", False))
+        else:
+            table.append((att + "linear_q_down_proj.weight", hf_att + "q_a_proj.weight", False))
+            table.append((att + "q_layernorm.weight", hf_att + "q_a_layernorm.weight", False))
+            table.append((att + "linear_q_up_proj.weight", hf_att + "q_b_proj.weight", False))
+        if sparse:
+            table.append((ours + "mlp.router.weight", theirs + "mlp.gate.weight", False))
+        _copy(src, dst, table, to_megatron)
+        if not sparse:
+            _swiglu_mlp(src, dst, ours + "mlp.", theirs + "mlp.", to_megatron)
+            continue
+        bias, hf_bias = ours + "mlp.router.expert_bias", theirs + "mlp.gate.e_score_correction_bias"
+        if to_megatron:
+            dst[bias] = src.pop(hf_bias)
+        elif model_args["moe_router_enable_expert_bias"]:
+            dst[hf_bias] = src.pop(bias)
+        else:  # no expert bias: DeepseekV3TopkRouter's zeros add nothing
+            dst[hf_bias] = torch.zeros(model_args["num_experts"], dtype=torch.float32)
+        for ours_expert, theirs_expert in _expert_prefixes(model_args, i):
+            _swiglu_mlp(src, dst, ours_expert, theirs_expert, to_megatron)
+        _swiglu_mlp(src, dst, ours + "mlp.shared_experts.", theirs + "mlp.shared_experts.", to_megatron)
+
+
 # transformers 5's in-memory Qwen3MoeExperts (modeling_qwen3_moe.py): a layer's experts as two 3D
 # tensors, gate_up_proj [E, 2 x moe_intermediate_size, hidden] (gate rows first) and down_proj
 # [E, hidden, moe_intermediate_size]; its checkpoints and save_pretrained keep one Linear per expert
@@ -809,6 +1138,22 @@ def _unfused_experts(state_dict: dict) -> dict:
     return out
 
 
+def _refuse_mtp_tensors(state_dict: dict, cfg) -> None:
+    """DeepSeek-V3's multi-token prediction modules are stored as layers num_hidden_layers, ... (its
+    num_nextn_predict_layers); DeepseekV3ForCausalLM neither builds nor reads them, and megatron-mfsdp refuses
+    --mtp-num-layers: a checkpoint holding them is refused rather than converted in part. A config that only
+    counts them, without the tensors, converts (the count is not carried: export writes 0)."""
+    extra = sorted(
+        k for k in state_dict if (m := re.match(r"model\.layers\.(\d+)\.", k)) and int(m[1]) >= cfg.num_hidden_layers
+    )
+    if extra:
+        _refuse(
+            "num_nextn_predict_layers",
+            getattr(cfg, "num_nextn_predict_layers", None),
+            f"multi-token prediction modules ({extra[0]}, ...) are not converted: megatron-mfsdp refuses MTP",
+        )
+
+
 def _convert(src: _Tensors, model_args: dict, arch: str, to_megatron: bool) -> dict:
     """The whole state dict of one architecture, either way."""
     dst = {}
@@ -821,8 +1166,8 @@ def _convert(src: _Tensors, model_args: dict, arch: str, to_megatron: bool) -> d
         dst[ours] = _pad_rows(embedding, model_args["padded_vocab_size"])
     else:
         dst[theirs] = embedding = embedding[: model_args["vocab_size"]].clone()
-    if arch in ("llama", "qwen3_moe"):
-        layers = _llama_layers if arch == "llama" else _qwen3_moe_layers
+    if arch in ("llama", "qwen3_moe", "deepseek_v3"):
+        layers = {"llama": _llama_layers, "qwen3_moe": _qwen3_moe_layers, "deepseek_v3": _deepseek_v3_layers}[arch]
         layers(src, dst, model_args, to_megatron)
         _copy(src, dst, [("decoder.final_layernorm.weight", "model.norm.weight", False)], to_megatron)
     else:
@@ -839,15 +1184,20 @@ def _convert(src: _Tensors, model_args: dict, arch: str, to_megatron: bool) -> d
 
 
 def hf_to_megatron(hf_state_dict: dict, hf_config, make_vocab_size_divisible_by: int = 128) -> tuple[dict, dict]:
-    """(megatron state dict, model_args) of a LlamaForCausalLM, GPT2LMHeadModel or Qwen3MoeForCausalLM
-    checkpoint (Qwen3-MoE experts as the files store them, one Linear each, or as transformers holds them
-    in memory, 3D); the vocabulary is padded to a multiple of ``make_vocab_size_divisible_by`` with zero rows."""
+    """(megatron state dict, model_args) of a LlamaForCausalLM, GPT2LMHeadModel, Qwen3MoeForCausalLM or
+    DeepseekV3ForCausalLM checkpoint (MoE experts as the files store them, one Linear each, or as transformers
+    holds them in memory, 3D); the vocabulary is padded to a multiple of ``make_vocab_size_divisible_by`` with
+    zero rows."""
     cfg = _as_config(hf_config)
     if cfg.model_type == "llama":
         args = _llama_args(cfg, make_vocab_size_divisible_by)
     elif cfg.model_type == "qwen3_moe":
         args = _qwen3_moe_args(cfg, make_vocab_size_divisible_by)
         hf_state_dict = _unfused_experts(hf_state_dict)
+    elif cfg.model_type == "deepseek_v3":
+        args = _deepseek_v3_args(cfg, make_vocab_size_divisible_by)
+        hf_state_dict = _unfused_experts(hf_state_dict)
+        _refuse_mtp_tensors(hf_state_dict, cfg)
     elif cfg.model_type == "gpt2":
         args = _gpt2_args(cfg, make_vocab_size_divisible_by)
         # The original GPT-2 files name GPT2Model's tensors without the "transformer." prefix.
@@ -858,16 +1208,17 @@ def hf_to_megatron(hf_state_dict: dict, hf_config, make_vocab_size_divisible_by:
         _refuse(
             "model_type",
             cfg.model_type,
-            "only llama (LlamaForCausalLM), gpt2 (GPT2LMHeadModel) and qwen3_moe (Qwen3MoeForCausalLM) convert",
+            "only llama (LlamaForCausalLM), gpt2 (GPT2LMHeadModel), qwen3_moe (Qwen3MoeForCausalLM) and "
+            "deepseek_v3 (DeepseekV3ForCausalLM) convert",
         )
     src = _Tensors(hf_state_dict, f"Hugging Face {cfg.model_type} state dict", IGNORED[cfg.model_type])
     return _convert(src, args, cfg.model_type, to_megatron=True), args
 
 
 def megatron_to_hf(state_dict: dict, model_args: dict, config_overrides: dict | None = None):
-    """(HF state dict as save_pretrained writes it, HF config) of a whole GPTModel: Qwen3-MoE when
-    model_args has num_experts, else Llama when it has swiglu, else GPT-2 (``architecture``).
-    ``config_overrides`` sets what megatron does not carry
+    """(HF state dict as save_pretrained writes it, HF config) of a whole GPTModel: DeepSeek-V3 when
+    model_args has num_experts and multi_latent_attention, Qwen3-MoE with num_experts alone, else Llama when
+    it has swiglu, else GPT-2 (``architecture``). ``config_overrides`` sets what megatron does not carry
     (bos_token_id, eos_token_id, ...). Padded vocabulary rows are sliced off."""
     args = _resolved(model_args)
     _refuse_unsupported(args)
@@ -881,7 +1232,12 @@ def megatron_to_hf(state_dict: dict, model_args: dict, config_overrides: dict | 
         _refuse("padded_vocab_size", model_args.get("padded_vocab_size"), f"the embedding has {rows} rows")
     args["padded_vocab_size"] = rows
     arch = architecture(args)
-    config = {"llama": _llama_config, "gpt2": _gpt2_config, "qwen3_moe": _qwen3_moe_config}[arch](args)
+    config = {
+        "llama": _llama_config,
+        "gpt2": _gpt2_config,
+        "qwen3_moe": _qwen3_moe_config,
+        "deepseek_v3": _deepseek_v3_config,
+    }[arch](args)
     config.dtype = embedding.dtype  # what save_pretrained records: the dtype of the weights
     for key, value in (config_overrides or {}).items():
         setattr(config, key, value)
