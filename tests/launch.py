@@ -158,3 +158,17 @@ def pretrain_in_workers(nproc: int, *flags: str, tmp_path, rank: int | None = -1
 def train_losses(result: dict) -> list:
     """Per-iteration training losses at full precision, from a pretrain_in_workers result."""
     return [loss for _, loss in result["history"]["train"]]
+
+
+def without_query_groups(flags: list) -> list:
+    """TINY's grouped-query attention taken out: MLA has no query groups (Megatron-LM refuses both)."""
+    out, skip = [], False
+    for f in flags:
+        if skip or f == "--group-query-attention":
+            skip = False
+            continue
+        if f == "--num-query-groups":
+            skip = True
+            continue
+        out.append(f)
+    return out

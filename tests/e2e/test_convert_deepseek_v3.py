@@ -103,17 +103,11 @@ DEEPSEEK_V3_FLAGS = [
 FROZEN_BIAS = ["--moe-router-bias-update-rate", "0"]
 
 
-def _without_query_groups(flags: list) -> list:
-    from tests.e2e.test_kimi_k2_style import _without_query_groups as strip
-
-    return strip(flags)
-
-
 @torch.no_grad()
 def test_pretrain_at_ep2_loads_the_converted_checkpoint_and_saves_it_back(tmp_path):
     from megatron_mfsdp.training.arguments import parse_args
     from megatron_mfsdp.training.loop import prepare_data
-    from tests.launch import TINY, pretrain_in_workers
+    from tests.launch import TINY, pretrain_in_workers, without_query_groups
 
     hf_model = tiny_deepseek_v3("rope_q_lora_groups", **PRETRAIN_HF)
     files = saved_tensors(hf_model, tmp_path / "hf")
@@ -122,7 +116,7 @@ def test_pretrain_at_ep2_loads_the_converted_checkpoint_and_saves_it_back(tmp_pa
 
     run = ["--train-iters", "1", "--lr-warmup-iters", "0", "--lr", "0", "--eval-interval", "100", "--eval-iters", "1"]
     run += ["--ckpt-format", "torch_dist"]
-    flags = [*_without_query_groups(TINY), *DEEPSEEK_V3_FLAGS, *FROZEN_BIAS, *run, "--use-matrix-fsdp"]
+    flags = [*without_query_groups(TINY), *DEEPSEEK_V3_FLAGS, *FROZEN_BIAS, *run, "--use-matrix-fsdp"]
     io = ["--load", str(tmp_path / "ours"), "--finetune", "--save", str(tmp_path / "ep2"), "--save-interval", "1"]
     ranks = pretrain_in_workers(2, *flags, "--expert-model-parallel-size", "2", *io, tmp_path=tmp_path, rank=None)
     logged = ranks[-1]["history"]["valid"][-1][1]

@@ -2,7 +2,7 @@
 multi-latent attention, MoE layers with a shared expert and sigmoid routing with the aux-loss-free expert
 bias, a dense first layer, Muon on every matrix with QK-clip, --use-matrix-fsdp at EP 2 on 4 ranks."""
 
-from tests.launch import TINY, parse_error, pretrain_in_workers, train_losses
+from tests.launch import TINY, parse_error, pretrain_in_workers, train_losses, without_query_groups
 
 KIMI = [
     *TINY,
@@ -45,21 +45,7 @@ KIMI = [
 ]
 
 
-def _without_query_groups(flags: list) -> list:
-    """TINY's grouped-query attention taken out: MLA has no query groups (Megatron-LM refuses both)."""
-    out, skip = [], False
-    for f in flags:
-        if skip or f == "--group-query-attention":
-            skip = False
-            continue
-        if f == "--num-query-groups":
-            skip = True
-            continue
-        out.append(f)
-    return out
-
-
-KIMI = _without_query_groups(KIMI)
+KIMI = without_query_groups(KIMI)
 
 
 def test_kimi_k2_style_at_ep2_on_4_ranks_trains_as_one_process(tmp_path, capsys):

@@ -467,12 +467,9 @@ def _deepseek_v3_rope(cfg) -> dict:
     )
 
 
-def _deepseek_v3_args(cfg, divisible_by: int) -> dict:
-    """DeepseekV3Config (transformers/models/deepseek_v3/configuration_deepseek_v3.py) as Megatron-LM dests:
-    multi-latent attention (--multi-latent-attention, --q-lora-rank, ..., --qk-layernorm for q_a_layernorm and
-    kv_a_layernorm), first_k_dense_replace dense layers (--moe-layer-freq as a 0/1 list, --ffn-hidden-size),
-    then MoE layers with one shared expert MLP and a sigmoid router with group-limited top-k and the
-    aux-loss-free expert bias (e_score_correction_bias)."""
+def _deepseek_v3_checked(cfg) -> tuple[int, int, int, bool, int]:
+    """The DeepseekV3Config settings megatron-core cannot express, refused by name; then (top-k, router
+    groups, group top-k, whether groups are limited, dense first layers)."""
     if cfg.hidden_act != "silu":
         _refuse("hidden_act", cfg.hidden_act, "megatron's --swiglu gates with SiLU")
     if cfg.attention_bias:
@@ -503,6 +500,16 @@ def _deepseek_v3_args(cfg, divisible_by: int) -> dict:
     dense = min(cfg.first_k_dense_replace or 0, cfg.num_hidden_layers)
     if dense == cfg.num_hidden_layers:
         _refuse("first_k_dense_replace", cfg.first_k_dense_replace, "no layer is an MoE layer")
+    return topk, groups, group_topk, limited, dense
+
+
+def _deepseek_v3_args(cfg, divisible_by: int) -> dict:
+    """DeepseekV3Config (transformers/models/deepseek_v3/configuration_deepseek_v3.py) as Megatron-LM dests:
+    multi-latent attention (--multi-latent-attention, --q-lora-rank, ..., --qk-layernorm for q_a_layernorm and
+    kv_a_layernorm), first_k_dense_replace dense layers (--moe-layer-freq as a 0/1 list, --ffn-hidden-size),
+    then MoE layers with one shared expert MLP and a sigmoid router with group-limited top-k and the
+    aux-loss-free expert bias (e_score_correction_bias)."""
+    topk, groups, group_topk, limited, dense = _deepseek_v3_checked(cfg)
     heads = cfg.num_attention_heads
     args = _common_args(cfg, cfg.num_hidden_layers, cfg.hidden_size, heads, heads, cfg.max_position_embeddings)
     args.update(**_deepseek_v3_rope(cfg), **_vocab_args(cfg.vocab_size, divisible_by))
