@@ -158,9 +158,10 @@ def _validate_qk_clip(args) -> None:
 
     if not args.use_matrix_fsdp and args.optimizer in MEGATRON_OPTIMIZERS:
         _fail(
-            f"--qk-clip with --optimizer {args.optimizer} without --use-matrix-fsdp: megatron-core's optimizer "
-            "keeps the fp32 masters it would rescale in flat shards (its DistributedOptimizer) where a head's rows "
-            "are not whole; use --use-matrix-fsdp (each linear_qkv's owner rescales its own master), or "
+            f"--qk-clip with --optimizer {args.optimizer} without --use-matrix-fsdp: the clip is not built for "
+            "megatron-core's optimizers (Megatron-LM rescales the weights and their main_param after the step, "
+            "which its DistributedOptimizer keeps in byte shards where a head's rows are not whole); use "
+            "--use-matrix-fsdp (each linear_qkv's owner rescales its own fp32 master), or "
             "--log-max-attention-logit to log without clipping"
         )
     if args.qk_layernorm and not args.multi_latent_attention:  # MLA's norms act before its up projections
