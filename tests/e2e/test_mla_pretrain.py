@@ -5,10 +5,9 @@ TP above 1 and the inference-only MLA flags are refused by name."""
 
 import re
 
-from tests.launch import TINY, parse_error, pretrain_in_workers, train_losses
+from tests.launch import TINY, parse_error, pretrain_in_workers, train_losses, without_query_groups
 
-_GQA = ("--group-query-attention", "--num-query-groups", "2")
-BASE = [f for i, f in enumerate(TINY) if f not in _GQA[:2] and not (TINY[i - 1] == "--num-query-groups")]
+BASE = without_query_groups(TINY)
 MLA = [
     *BASE,
     "--multi-latent-attention",

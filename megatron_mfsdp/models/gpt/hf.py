@@ -707,6 +707,24 @@ def _expect(model_args: dict, arch: str, **wanted) -> None:
             _refuse(dest, model_args[dest], f"{arch} needs {dest}={value!r}")
 
 
+def _llama_style_fields(model_args: dict) -> dict:
+    """The config fields LlamaConfig and Qwen3MoeConfig share, from the same Megatron-LM dests."""
+    return dict(
+        vocab_size=model_args["vocab_size"],
+        hidden_size=model_args["hidden_size"],
+        intermediate_size=model_args["ffn_hidden_size"],
+        num_hidden_layers=model_args["num_layers"],
+        num_attention_heads=model_args["num_attention_heads"],
+        num_key_value_heads=model_args["num_query_groups"],
+        head_dim=model_args["kv_channels"],
+        hidden_act="silu",
+        max_position_embeddings=model_args["max_position_embeddings"],
+        initializer_range=model_args["init_method_std"],
+        rms_norm_eps=model_args["layernorm_epsilon"],
+        tie_word_embeddings=not model_args["untie_embeddings_and_output_weights"],
+    )
+
+
 def _llama_config(model_args: dict):
     from transformers import LlamaConfig
 
@@ -721,18 +739,7 @@ def _llama_config(model_args: dict):
     bias = bool(model_args["add_bias_linear"])
     return LlamaConfig(
         architectures=["LlamaForCausalLM"],
-        vocab_size=model_args["vocab_size"],
-        hidden_size=model_args["hidden_size"],
-        intermediate_size=model_args["ffn_hidden_size"],
-        num_hidden_layers=model_args["num_layers"],
-        num_attention_heads=model_args["num_attention_heads"],
-        num_key_value_heads=model_args["num_query_groups"],
-        head_dim=model_args["kv_channels"],
-        hidden_act="silu",
-        max_position_embeddings=model_args["max_position_embeddings"],
-        initializer_range=model_args["init_method_std"],
-        rms_norm_eps=model_args["layernorm_epsilon"],
-        tie_word_embeddings=not model_args["untie_embeddings_and_output_weights"],
+        **_llama_style_fields(model_args),
         rope_theta=float(model_args["rotary_base"]),
         rope_scaling=scaling,
         attention_bias=bias,
@@ -792,18 +799,7 @@ def _qwen3_moe_config(model_args: dict):
         rope.update(rope_type="llama3", factor=float(model_args["rope_scaling_factor"]), **LLAMA3_ROPE)
     return Qwen3MoeConfig(
         architectures=["Qwen3MoeForCausalLM"],
-        vocab_size=model_args["vocab_size"],
-        hidden_size=model_args["hidden_size"],
-        intermediate_size=model_args["ffn_hidden_size"],
-        num_hidden_layers=model_args["num_layers"],
-        num_attention_heads=model_args["num_attention_heads"],
-        num_key_value_heads=model_args["num_query_groups"],
-        head_dim=model_args["kv_channels"],
-        hidden_act="silu",
-        max_position_embeddings=model_args["max_position_embeddings"],
-        initializer_range=model_args["init_method_std"],
-        rms_norm_eps=model_args["layernorm_epsilon"],
-        tie_word_embeddings=not model_args["untie_embeddings_and_output_weights"],
+        **_llama_style_fields(model_args),
         rope_parameters=rope,
         attention_bias=False,
         attention_dropout=model_args["attention_dropout"],
