@@ -234,6 +234,8 @@ def build_gpt_model(
             vp_stage=vp_stage,
             **gpt_kwargs,
         )
+    if config.multi_latent_attention:
+        mla.repair_rotary_key_gradient(model)
     if config.num_moe_experts:
         moe.skip_single_rank_expert_reduce(model)
         moe.unmark_expert_sequence_parallel(model)

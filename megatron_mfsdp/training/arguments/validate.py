@@ -124,7 +124,7 @@ def validate_model(args) -> None:
 
 def _validate_mla(args) -> None:
     """Megatron-LM's checks of multi-latent attention (validate_args and core_transformer_config_from_args at
-    core_v0.16.1), and TP 1 (megatron-core's local-spec MLA loses gradient at TP above 1)."""
+    core_v0.16.1)."""
     if not args.multi_latent_attention:
         if args.rope_type == "yarn":  # Megatron-LM's assert in core_transformer_config_from_args
             _fail(
@@ -134,15 +134,6 @@ def _validate_mla(args) -> None:
         return
     if args.group_query_attention:
         _fail("--group-query-attention and --multi-latent-attention exclude each other (as Megatron-LM)")
-    if args.tensor_model_parallel_size > 1:
-        _fail(
-            f"--multi-latent-attention with --tensor-model-parallel-size {args.tensor_model_parallel_size}: "
-            "multi-latent attention at tensor parallelism above 1 is not supported: on the local spec "
-            "megatron-core 0.16.1's MLA gathers its column-parallel down projections' outputs with "
-            "gather_from_tensor_model_parallel_region, whose backward keeps each rank's own slice, so the gradient "
-            "that the other TP ranks' heads send to the shared rotary key (linear_kv_down_proj) is lost (TP 2 "
-            "drifts 2e-3 from one process in 3 steps); use TP 1"
-        )
 
 
 def _validate_qk_clip(args) -> None:
