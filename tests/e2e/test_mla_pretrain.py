@@ -37,7 +37,8 @@ LOGIT = re.compile(r" max_attention_logit: ([\d.E+-]+) \|")
 def test_mla_trains_at_dp2_as_one_process_and_resumes(tmp_path):
     """1 rank and DP 2 on MatrixFSDP (Muon on every MLA projection, each whole on its owner): the same losses
     within 1e-5, falling; a checkpoint saved at iteration 3 of the DP 2 run (megatron-core's sharded keys of
-    linear_q_down_proj, ...) resumes on one rank to the uninterrupted run's last losses."""
+    linear_q_down_proj, ...) resumes at TP 2 (megatron-core's resharding of each TP-split projection) to the
+    uninterrupted run's last losses."""
     one = train_losses(pretrain_in_workers(1, *MLA, MFSDP, tmp_path=tmp_path))
     save = tmp_path / "ckpt"
     two = train_losses(
@@ -54,9 +55,10 @@ def test_mla_trains_at_dp2_as_one_process_and_resumes(tmp_path):
         assert f"decoder.layers.self_attention.{proj}.weight" in keys, sorted(keys)
     assert "decoder.layers.self_attention.kv_layernorm.weight" in keys
     (save / "latest_checkpointed_iteration.txt").write_text("3")
-    resumed = train_losses(pretrain_in_workers(1, *MLA, MFSDP, "--load", str(save), tmp_path=tmp_path))
+    tp2 = ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--muon-tp-mode", "duplicated"]
+    resumed = train_losses(pretrain_in_workers(2, *MLA, MFSDP, *tp2, "--load", str(save), tmp_path=tmp_path))
     worst = max(abs(a - b) for a, b in zip(resumed, one[3:]))
-    print(f"MLA resumed at iteration 3 on one rank: last losses {worst:.2e} from the uninterrupted run")
+    print(f"MLA resumed at iteration 3 at TP 2: last losses {worst:.2e} from the uninterrupted run")
     assert len(resumed) == 2 and worst <= 1e-5, (resumed, one)
 
 
@@ -88,3 +90,6 @@ def test_mla_qk_clip_clips_and_mla_refusals(tmp_path, capsys):
     assert "--cache-mla-latents" in parse_error([*MLA, "--cache-mla-latents"], capsys)
     assert "exclude each other" in parse_error([*MLA, "--group-query-attention"], capsys)
     assert "--rope-type yarn" in parse_error([*BASE, "--rope-type", "yarn"], capsys)
+    assert "apply to --multi-latent-attention" in parse_error([*BASE, "--yarn-beta-fast", "1"], capsys)
+    assert "always rounds" in parse_error([*MLA, "--no-yarn-correction-range-round-to-int"], capsys)
+    assert "--yarn-beta-slow with --rope-type rope" in parse_error([*MLA, "--rope-type", "rope", "--yarn-beta-slow", "2"], capsys)

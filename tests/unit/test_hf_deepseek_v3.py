@@ -287,6 +287,29 @@ def test_yarn_mscale_is_needed():
     assert delta > CONTROL_MIN
 
 
+# Kimi K2's rope_parameters (its config.json: factor 32, beta_fast 1, beta_slow 1, original 4096), with a shorter
+# original length so that the tiny model's 24 positions reach YaRN's blend of interpolated and extrapolated parts.
+KIMI_K2_YARN = dict(YARN, factor=32.0, beta_fast=1.0, beta_slow=1.0, original_max_position_embeddings=16)
+
+
+def test_kimi_k2_yarn_settings_import_through_the_yarn_flags_and_back():
+    """beta_fast, beta_slow and the original length become --yarn-beta-fast, --yarn-beta-slow and
+    --yarn-original-max-position-embeddings (MLATransformerConfig's fields): the logits equal transformers', the
+    export writes them back, and MLATransformerConfig's defaults in their place move the logits (control)."""
+    hf_model = tiny_deepseek_v3("yarn_q_proj_tied", rope_parameters=KIMI_K2_YARN, max_position_embeddings=512)
+    state_dict, model_args = hf_to_megatron(hf_model.state_dict(), hf_model.config)
+    assert (model_args["yarn_beta_fast"], model_args["yarn_beta_slow"]) == (1.0, 1.0)
+    assert model_args["yarn_original_max_position_embeddings"] == 16
+    delta = max_delta(our_model(model_args, state_dict), hf_model, model_args)
+    defaults = dict(beta_fast=32.0, beta_slow=1.0, original_max_position_embeddings=4096)
+    control = max_delta(our_model(model_args, state_dict, defaults), hf_model, model_args)
+    print(f"\n[hf deepseek_v3] Kimi K2 YaRN: {delta:.3e}; with megatron's YaRN defaults instead: {control:.3e}")
+    assert delta <= TOL and control > CONTROL_MIN
+    rope = megatron_to_hf(state_dict, model_args)[1].rope_parameters
+    assert {k: rope[k] for k in ("beta_fast", "beta_slow", "original_max_position_embeddings")} == {
+        "beta_fast": 1.0, "beta_slow": 1.0, "original_max_position_embeddings": 16}
+
+
 # ----------------------------------------------------------------------------------------
 # Negative controls, export
 # ----------------------------------------------------------------------------------------
@@ -334,8 +357,7 @@ def test_export_negative_control_fails_the_round_trip(control, monkeypatch, tmp_
         (dict(n_group=4, topk_group=2, num_experts_per_tok=2), "topk_group"),
         (dict(norm_topk_prob=False), "norm_topk_prob"),
         (dict(first_k_dense_replace=3), "first_k_dense_replace"),
-        (dict(rope_parameters=dict(YARN, beta_fast=1.0)), "beta_fast"),
-        (dict(rope_parameters=dict(YARN, original_max_position_embeddings=2048)), "original_max_position_embeddings"),
+        (dict(rope_parameters=dict(YARN, truncate=False)), "truncate"),
         (dict(rope_parameters=dict(YARN, mscale=None)), "mscale"),
         (dict(rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}), "rope_type"),
     ],

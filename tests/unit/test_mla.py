@@ -153,3 +153,12 @@ def test_the_rotary_rows_need_their_own_eta():
     after = _logits(attention, x)
     print(f"\nrotary rows at eta^alpha: worst head at {float((after / threshold).max()):.3f} x the threshold")
     assert float((after / threshold).max()) > 1.01, after / threshold
+
+
+def test_yarn_flags_set_mla_config_fields_and_unset_ones_keep_its_defaults():
+    """--yarn-beta-fast, --yarn-beta-slow, --yarn-original-max-position-embeddings (Megatron-LM HEAD's names)
+    reach MLATransformerConfig's beta_fast, beta_slow, original_max_position_embeddings."""
+    given = _config(None, yarn_beta_fast=1.0, yarn_beta_slow=2.0, yarn_original_max_position_embeddings=64)
+    assert (given.beta_fast, given.beta_slow, given.original_max_position_embeddings) == (1.0, 2.0, 64)
+    unset = _config(None, yarn_beta_fast=None, yarn_beta_slow=None, yarn_original_max_position_embeddings=None)
+    assert (unset.beta_fast, unset.beta_slow, unset.original_max_position_embeddings) == (32, 1, 4096)

@@ -57,6 +57,19 @@ def _activation(dests: Mapping) -> dict:
     return dict(activation_func=F.gelu, bias_activation_fusion=fused)
 
 
+# Our --yarn-* flags (training/arguments/model_flags.py) -> MLATransformerConfig's fields of the same meaning.
+MLA_YARN_FIELDS = {
+    "yarn_original_max_position_embeddings": "original_max_position_embeddings",
+    "yarn_beta_fast": "beta_fast",
+    "yarn_beta_slow": "beta_slow",
+}
+
+
+def mla_yarn_fields(dests: Mapping) -> dict:
+    """The --yarn-* settings given (not None) as MLATransformerConfig fields; unset ones keep its defaults."""
+    return {field: dests[dest] for dest, field in MLA_YARN_FIELDS.items() if dests.get(dest) is not None}
+
+
 def transformer_config(dests: Mapping):
     """megatron-core's TransformerConfig of Megatron-LM argument dests (a checkpoint's stored args, a
     model_args dict, or a run's ``vars(args)``: training/configs.py transformer_config_from_args)."""
@@ -67,6 +80,8 @@ def transformer_config(dests: Mapping):
     kw = {f.name: dests[f.name] for f in dataclasses.fields(config_class) if f.name in dests}
     if kw.get("rope_type", "") is None:  # --rope-type unset: the config class's default (MLA's is yarn)
         kw.pop("rope_type")
+    if config_class is MLATransformerConfig:
+        kw.update(mla_yarn_fields(dests))
     dtype = torch.bfloat16 if dests.get("bf16", False) else torch.float16 if dests.get("fp16", False) else torch.float32
     kw.update(
         _activation(dests),

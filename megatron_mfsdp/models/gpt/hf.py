@@ -75,6 +75,9 @@ MEGATRON_DEFAULTS = {
     "rotary_scaling_factor": 1.0,
     "mscale": 1.0,
     "mscale_all_dim": 0.0,
+    "yarn_original_max_position_embeddings": None,  # None: MLATransformerConfig's 4096, beta_fast 32, beta_slow 1
+    "yarn_beta_fast": None,
+    "yarn_beta_slow": None,
     "mtp_num_layers": None,
     "vocab_size": None,
     "padded_vocab_size": None,
@@ -408,10 +411,14 @@ def _qwen3_moe_args(cfg, divisible_by: int) -> dict:
     return args
 
 
-# megatron-core's YaRN settings that Megatron-LM 0.16.1 cannot set from pretrain_gpt.py (its --yarn-* flags,
-# refused by training/arguments/refused.py): MLATransformerConfig's defaults (transformer_config.py at
-# core_v0.16.1), which a DeepSeek-V3 yarn rope_parameters must match.
-MLA_YARN_FIXED = {"original_max_position_embeddings": 4096, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": True}
+# transformers' YaRN settings (DeepseekV3Config rope_parameters) -> our --yarn-* dests (models/gpt/config.py
+# MLA_YARN_FIELDS maps them onto MLATransformerConfig), with MLATransformerConfig's defaults (transformer_config.py
+# at core_v0.16.1), written on export when a run left them unset.
+MLA_YARN_DESTS = {
+    "original_max_position_embeddings": ("yarn_original_max_position_embeddings", 4096),
+    "beta_fast": ("yarn_beta_fast", 32.0),
+    "beta_slow": ("yarn_beta_slow", 1.0),
+}
 # DeepseekV3Attention's q_a_layernorm and kv_a_layernorm are DeepseekV3RMSNorm(rank) at its default eps;
 # megatron-core's q_layernorm/kv_layernorm use --norm-epsilon like every other norm.
 DEEPSEEK_V3_LATENT_NORM_EPS = 1e-6
@@ -436,11 +443,13 @@ def _deepseek_v3_rope(cfg) -> dict:
         return dict(settings, rope_type="rope", rotary_scaling_factor=1.0, mscale=1.0, mscale_all_dim=0.0)
     if rope_type != "yarn":
         _refuse("rope_parameters.rope_type", rope_type, "megatron-core's MLA has default (rope) and yarn RoPE only")
-    for key, value in MLA_YARN_FIXED.items():
-        given = params.get(key)  # transformers' defaults: beta_fast 32, beta_slow 1, truncate True
-        given = value if given is None and key != "original_max_position_embeddings" else given
-        if given != value:
-            _refuse(f"rope_parameters.{key}", given, f"megatron's MLA YaRN fixes it to {value} (no --yarn-* flags)")
+    if params.get("truncate", True) is not True:  # transformers' default: True, as megatron-core's MLA always
+        _refuse("rope_parameters.truncate", params["truncate"], "megatron-core's MLA YaRN always rounds the range")
+    if params.get("original_max_position_embeddings") is None:
+        _refuse("rope_parameters.original_max_position_embeddings", None, "YaRN's original context length is unset")
+    # transformers' defaults where unset: beta_fast 32, beta_slow 1 (modeling_rope_utils.py)
+    yarn = {dest: float(params.get(key) or default) for key, (dest, default) in MLA_YARN_DESTS.items()}
+    yarn["yarn_original_max_position_embeddings"] = int(params["original_max_position_embeddings"])
     if params.get("attention_factor") is not None:
         _refuse("rope_parameters.attention_factor", params["attention_factor"], "megatron derives it from mscale")
     factor = params.get("factor")
@@ -464,6 +473,7 @@ def _deepseek_v3_rope(cfg) -> dict:
         rotary_scaling_factor=float(factor),
         mscale=float(mscale),
         mscale_all_dim=float(all_dim),
+        **yarn,
     )
 
 
@@ -832,8 +842,8 @@ def _deepseek_v3_config(model_args: dict):
         _refuse("moe_layer_freq", model_args["moe_layer_freq"], "DeepSeek-V3 has dense layers first, then MoE only")
     rope = {"rope_type": "default", "rope_theta": float(model_args["rotary_base"])}
     if (model_args["rope_type"] or "yarn") == "yarn":
-        fixed = {k: v for k, v in MLA_YARN_FIXED.items() if k != "truncate"}
-        rope.update(rope_type="yarn", factor=float(model_args["rotary_scaling_factor"]), **fixed)
+        yarn = {key: model_args.get(dest) or default for key, (dest, default) in MLA_YARN_DESTS.items()}
+        rope.update(rope_type="yarn", factor=float(model_args["rotary_scaling_factor"]), **yarn)
         rope.update(mscale=float(model_args["mscale"]), mscale_all_dim=float(model_args["mscale_all_dim"]))
     groups, group_topk = model_args["moe_router_num_groups"], model_args["moe_router_group_topk"]
     scaling = model_args["moe_router_topk_scaling_factor"]
@@ -925,7 +935,9 @@ def transformer_config_kwargs(model_args: dict) -> tuple[dict, dict]:
         config.update({k: args[k] for k in MOE_CONFIG_FIELDS}, num_moe_experts=args["num_experts"])
     if args["multi_latent_attention"]:  # build with MLATransformerConfig (config.py transformer_config does)
         config.update({k: args[k] for k in MLA_CONFIG_FIELDS}, num_query_groups=None)
-        config.update({"rope_type": args["rope_type"]} if args["rope_type"] else {})
+        from .config import mla_yarn_fields
+
+        config.update({"rope_type": args["rope_type"]} if args["rope_type"] else {}, **mla_yarn_fields(args))
     model = {
         "vocab_size": args["padded_vocab_size"],
         "max_sequence_length": args["max_position_embeddings"],

@@ -33,6 +33,7 @@ def _add_position_args(g) -> None:
     g.add_argument("--rotary-interleaved", action="store_true")
     g.add_argument("--rotary-seq-len-interpolation-factor", type=positive_int, default=None)
     g.add_argument("--use-rope-scaling", action="store_true", help="llama3.x rope scaling")
+    _add_yarn_args(g)
     g.add_argument("--rope-scaling-factor", type=positive_float, default=8.0)
     g.add_argument(
         "--no-position-embedding",
@@ -120,6 +121,34 @@ def add_network_size_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--fp32-residual-connection", action="store_true")
     _add_implementation_args(g)
     _add_mla_args(g)
+
+
+def _add_yarn_args(g) -> None:
+    """Megatron-LM HEAD's --yarn-* flags (megatron/training/arguments.py; argument_utils.py
+    _apply_yarn_config_from_args), with its defaults (None: YarnRotaryEmbedding's). HEAD applies them to
+    standard attention's --position-embedding-type yarn only and leaves MLA at MLATransformerConfig's
+    original_max_position_embeddings, beta_fast and beta_slow, settable from no flag; here they set those (so
+    Kimi K2's beta_fast 1 can be trained), and standard attention's YaRN stays refused."""
+    g.add_argument(
+        "--yarn-original-max-position-embeddings",
+        type=positive_int,
+        default=None,
+        help="YaRN's original context length, for MLA's rotary part (default 4096)",
+    )
+    g.add_argument("--yarn-beta-fast", type=positive_float, default=None, help="YaRN's beta_fast (default 32)")
+    g.add_argument("--yarn-beta-slow", type=positive_float, default=None, help="YaRN's beta_slow (default 1)")
+    g.add_argument(
+        "--yarn-correction-range-round-to-int",
+        action="store_true",
+        default=None,
+        help="round YaRN's correction range to integers (megatron-core 0.16.1's MLA always does)",
+    )
+    g.add_argument(
+        "--no-yarn-correction-range-round-to-int",
+        action="store_false",
+        dest="yarn_correction_range_round_to_int",
+        help="refused with MLA: megatron-core 0.16.1's MLASelfAttention always rounds",
+    )
 
 
 def _add_mla_args(g) -> None:

@@ -147,7 +147,6 @@ FEATURES = {
     ),
     "batch-invariant kernels": ("--batch-invariant-mode", "--batch-invariant-backend"),
     "sliding-window attention": ("--window-size", "--window-attn-skip-freq"),
-    "YaRN RoPE scaling": ("--yarn-*", "--no-yarn-correction-range-round-to-int"),
     "relative position embeddings (T5)": ("--relative-attention-num-buckets", "--relative-attention-max-distance"),
     "encoder-decoder and BERT models": (
         "--encoder-num-layers",

@@ -125,13 +125,28 @@ def validate_model(args) -> None:
 def _validate_mla(args) -> None:
     """Megatron-LM's checks of multi-latent attention (validate_args and core_transformer_config_from_args at
     core_v0.16.1)."""
+    from ...models.gpt.config import MLA_YARN_FIELDS
+
+    yarn = [f"--{d.replace('_', '-')}" for d in MLA_YARN_FIELDS if getattr(args, d) is not None]
     if not args.multi_latent_attention:
         if args.rope_type == "yarn":  # Megatron-LM's assert in core_transformer_config_from_args
             _fail(
                 '--rope-type yarn: standard attention supports rope_type="rope" only (as Megatron-LM); YaRN '
                 "applies to --multi-latent-attention"
             )
+        if yarn:
+            _fail(
+                f"{yarn[0]}: the --yarn-* settings apply to --multi-latent-attention's YaRN here; standard "
+                "attention's YaRN (--position-embedding-type yarn) is not supported"
+            )
         return
+    if args.yarn_correction_range_round_to_int is False:
+        _fail(
+            "--no-yarn-correction-range-round-to-int: megatron-core 0.16.1's MLASelfAttention always rounds YaRN's "
+            "correction range (its YarnRotaryEmbedding gets no such setting from MLATransformerConfig)"
+        )
+    if yarn and args.rope_type == "rope":
+        _fail(f"{yarn[0]} with --rope-type rope: the --yarn-* settings apply to MLA's YaRN (--rope-type yarn)")
     if args.group_query_attention:
         _fail("--group-query-attention and --multi-latent-attention exclude each other (as Megatron-LM)")
 
