@@ -23,9 +23,13 @@ def _worker(
     clip: bool = True,
     qkv_owners="whole",
     mla: bool = False,
+    pp: int = 1,
+    optimizer: str = "muon",
+    layers: int | None = None,
 ):
     """STEPS steps of ``data_ranks`` micro-batches; each step's largest max logit and collectives, the full
-    weights (TP shards joined), and the max logits of the last batch run again after the last step."""
+    weights (TP shards joined; a pipeline stage's own layers), and the max logits of the last batch run again
+    after the last step. ``layers``: one a pipeline stage unless given."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
@@ -41,11 +45,17 @@ def _worker(
     from megatron_mfsdp.testing import optimizer_config
     from megatron_mfsdp.training.qk_clip import QKClip
 
-    init_megatron(tp=tp)
-    parallel = dict(tensor_model_parallel_size=tp, sequence_parallel=tp > 1)
+    init_megatron(tp=tp, pp=pp)
+    parallel = dict(tensor_model_parallel_size=tp, sequence_parallel=tp > 1, pipeline_model_parallel_size=pp)
+    if pp > 1:
+        parallel.update(
+            pipeline_dtype=torch.float32,
+            pre_process=ps.is_pipeline_first_stage(),
+            post_process=ps.is_pipeline_last_stage(),
+        )
     config, model = tiny_gpt(
         by_global_name=True,
-        num_layers=1,
+        num_layers=layers or pp,
         add_bias_linear=False,
         qk_clip=clip,
         log_max_attention_logit=True,
@@ -54,7 +64,7 @@ def _worker(
     )
     groups = ProcessGroups.from_parallel_state()
     ddp = MatrixFSDP(config, MatrixFSDPConfig(split_qkv_owners=qkv_owners), model, groups)
-    opt = get_megatron_optimizer(optimizer_config(lr=lr, min_lr=lr, muon_tp_mode="duplicated"), [ddp])
+    opt = get_megatron_optimizer(optimizer_config(optimizer=optimizer, lr=lr, min_lr=lr, muon_tp_mode="duplicated"), [ddp])
     configure_schedule([ddp], opt)
     hook = QKClip(types.SimpleNamespace(qk_clip=clip, qk_clip_alpha=0.5, qk_clip_threshold=threshold), [ddp], groups)
     opt.after_rules = hook
@@ -70,6 +80,10 @@ def _worker(
         calls.append(list(log))
     forward_backward(forward_step, iter([micro_batch(STEPS, 0, r) for r in mine]), [ddp], len(mine), 16, 2, True)
     after = torch.stack([getattr(a.core_attention, qk.MAX_LOGITS) for a in hook.layers])
+    if pp > 1:  # every stage's layers, in layer order
+        stages = [torch.empty_like(after) for _ in range(pp)]
+        dist.all_gather(stages, after, group=ps.get_pipeline_model_parallel_group())
+        after = torch.cat(stages)
     dist.all_reduce(after, op=dist.ReduceOp.MAX, group=ps.get_data_parallel_group())
     params, full = dict(model.named_parameters()), {}
     for name, tensor in ddp.full_state_dict().items():
@@ -204,6 +218,46 @@ def test_mla_dp2_clips_as_one_process():
     got = run_workers(2, _worker, 2, 1, threshold, 1e-2, True, "whole", True)
     worst = max((got[0]["full"][n] - ref).abs().max().item() for n, ref in one["full"].items())
     print(f"\nMLA QK-clip at DP 2 against one process: weights {worst:.2e}")
+    assert worst <= 1e-5, worst
+    for r in got:
+        torch.testing.assert_close(torch.tensor(r["maxes"]), torch.tensor(one["maxes"]), rtol=1e-5, atol=0)
+
+
+def _threshold_and_reference(data_ranks: int, pp: int, optimizer: str):
+    """A threshold at 0.7 x the first step's largest logit, and the one-process clipped run at it
+    (``pp`` 2: its two layers)."""
+    free = run_workers(1, _worker, data_ranks, 1, 1e9, 1e-2, True, "whole", False, 1, optimizer, pp)[0]
+    threshold = free["maxes"][0] * 0.7
+    one = run_workers(1, _worker, data_ranks, 1, threshold, 1e-2, True, "whole", False, 1, optimizer, pp)[0]
+    assert one["maxes"][0] > threshold and any(not torch.equal(one["full"][n], free["full"][n]) for n in free["full"])
+    return threshold, one
+
+
+def test_pp2_clips_each_stages_layers_as_one_process():
+    """Two layers on two pipeline stages (each stage clips its own layer; the logged largest logit is over the
+    world) against one process with both layers: weights within 1e-5, each step's largest logit within 1e-5
+    relative, the clipped layer's logits after the run equal; the step moves scalars only."""
+    threshold, one = _threshold_and_reference(2, 2, "muon")
+    got = run_workers(2, _worker, 2, 1, threshold, 1e-2, True, "whole", False, 2)
+    full = {**got[0]["full"], **got[1]["full"]}
+    assert set(full) == set(one["full"])
+    worst = max((full[n] - ref).abs().max().item() for n, ref in one["full"].items())
+    print(f"\nQK-clip at PP 2 against one process: weights {worst:.2e}")
+    assert worst <= 1e-5, worst
+    torch.testing.assert_close(got[0]["after"], one["after"], rtol=1e-5, atol=0)
+    for r in got:
+        torch.testing.assert_close(torch.tensor(r["maxes"]), torch.tensor(one["maxes"]), rtol=1e-5, atol=0)
+        assert all(size <= 4 for calls in r["calls"] for _, size in calls), r["calls"]
+
+
+@pytest.mark.parametrize("optimizer", ["adam", "soap"])
+def test_other_rules_clip_at_dp2_as_one_process(optimizer):
+    """The clip is the owner's, whatever rule steps the matrix: AdamW (--optimizer adam) and SOAP at DP 2 against one process,
+    weights within 1e-5 and each step's largest logit within 1e-5 relative."""
+    threshold, one = _threshold_and_reference(2, 1, optimizer)
+    got = run_workers(2, _worker, 2, 1, threshold, 1e-2, True, "whole", False, 1, optimizer)
+    worst = max((got[0]["full"][n] - ref).abs().max().item() for n, ref in one["full"].items())
+    print(f"\nQK-clip with {optimizer} at DP 2 against one process: weights {worst:.2e}")
     assert worst <= 1e-5, worst
     for r in got:
         torch.testing.assert_close(torch.tensor(r["maxes"]), torch.tensor(one["maxes"]), rtol=1e-5, atol=0)
