@@ -24,6 +24,8 @@ class QKClip:
     def __init__(self, args, chunks, groups):
         self.clip, self.alpha, self.threshold = args.qk_clip, args.qk_clip_alpha, args.qk_clip_threshold
         self.dp = groups.dp
+        # where the collectives run: the model's device (NCCL takes CUDA tensors only; gloo either)
+        self.device = next((p.device for c in chunks for p in getattr(c, "module", c).parameters()), None)
         self.layers = []  # self-attention modules, in layer order
         self.names = {}  # id(weight) -> global name, for every parameter of the chunks
         for chunk in chunks:
@@ -37,7 +39,8 @@ class QKClip:
         """After the rules' step (MatrixFSDPOptimizer.after_rules): gather the max logits, keep the
         largest for the log and, with --qk-clip and an ``optimizer`` that owns masters, clip. Collective."""
         logits = self._reduced()
-        largest = torch.tensor([logits.max().item() if logits.numel() else float("-inf")], dtype=torch.float64)
+        top = logits.max().item() if logits.numel() else float("-inf")
+        largest = torch.tensor([top], dtype=torch.float64, device=self.device)
         dist.all_reduce(largest, op=dist.ReduceOp.MAX)
         self.last = largest.item()
         if self.clip and optimizer is not None:
@@ -47,17 +50,18 @@ class QKClip:
 
     def _reduced(self) -> torch.Tensor:
         """[layers, local heads] of this step's max logits, the largest over DP (-inf where a layer ran no
-        training forward)."""
+        training forward), on the CPU (the row multipliers are built there)."""
         rows = []
         for attention in self.layers:
             current = getattr(attention.core_attention, qk.MAX_LOGITS, None)
             heads = attention.num_attention_heads_per_partition
-            rows.append(torch.full((heads,), float("-inf")) if current is None else current.detach().float().cpu())
+            none = torch.full((heads,), float("-inf"), device=self.device)
+            rows.append(none if current is None else current.detach().float().to(self.device))
         if not rows:
             return torch.empty(0, 0)
         stacked = torch.stack(rows)
         dist.all_reduce(stacked, op=dist.ReduceOp.MAX, group=self.dp)
-        return stacked
+        return stacked.cpu()
 
     def row_scales(self, logits: torch.Tensor) -> dict[str, torch.Tensor]:
         """Per layer whose max logit passed the threshold: the row multipliers of the weights its clip scales

@@ -64,7 +64,8 @@ def _worker(
     )
     groups = ProcessGroups.from_parallel_state()
     ddp = MatrixFSDP(config, MatrixFSDPConfig(split_qkv_owners=qkv_owners), model, groups)
-    opt = get_megatron_optimizer(optimizer_config(optimizer=optimizer, lr=lr, min_lr=lr, muon_tp_mode="duplicated"), [ddp])
+    settings = optimizer_config(optimizer=optimizer, lr=lr, min_lr=lr, muon_tp_mode="duplicated")
+    opt = get_megatron_optimizer(settings, [ddp])
     configure_schedule([ddp], opt)
     hook = QKClip(types.SimpleNamespace(qk_clip=clip, qk_clip_alpha=0.5, qk_clip_threshold=threshold), [ddp], groups)
     opt.after_rules = hook
@@ -252,8 +253,8 @@ def test_pp2_clips_each_stages_layers_as_one_process():
 
 @pytest.mark.parametrize("optimizer", ["adam", "soap"])
 def test_other_rules_clip_at_dp2_as_one_process(optimizer):
-    """The clip is the owner's, whatever rule steps the matrix: AdamW (--optimizer adam) and SOAP at DP 2 against one process,
-    weights within 1e-5 and each step's largest logit within 1e-5 relative."""
+    """The clip is the owner's, whatever rule steps the matrix: AdamW (--optimizer adam) and SOAP at DP 2
+    against one process, weights within 1e-5 and each step's largest logit within 1e-5 relative."""
     threshold, one = _threshold_and_reference(2, 1, optimizer)
     got = run_workers(2, _worker, 2, 1, threshold, 1e-2, True, "whole", False, 1, optimizer)
     worst = max((got[0]["full"][n] - ref).abs().max().item() for n, ref in one["full"].items())

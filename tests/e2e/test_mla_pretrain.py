@@ -92,4 +92,6 @@ def test_mla_qk_clip_clips_and_mla_refusals(tmp_path, capsys):
     assert "--rope-type yarn" in parse_error([*BASE, "--rope-type", "yarn"], capsys)
     assert "apply to --multi-latent-attention" in parse_error([*BASE, "--yarn-beta-fast", "1"], capsys)
     assert "always rounds" in parse_error([*MLA, "--no-yarn-correction-range-round-to-int"], capsys)
-    assert "--yarn-beta-slow with --rope-type rope" in parse_error([*MLA, "--rope-type", "rope", "--yarn-beta-slow", "2"], capsys)
+    assert "--yarn-beta-slow with --rope-type rope" in parse_error(
+        [*MLA, "--rope-type", "rope", "--yarn-beta-slow", "2"], capsys
+    )

@@ -307,7 +307,10 @@ def test_kimi_k2_yarn_settings_import_through_the_yarn_flags_and_back():
     assert delta <= TOL and control > CONTROL_MIN
     rope = megatron_to_hf(state_dict, model_args)[1].rope_parameters
     assert {k: rope[k] for k in ("beta_fast", "beta_slow", "original_max_position_embeddings")} == {
-        "beta_fast": 1.0, "beta_slow": 1.0, "original_max_position_embeddings": 16}
+        "beta_fast": 1.0,
+        "beta_slow": 1.0,
+        "original_max_position_embeddings": 16,
+    }
 
 
 # ----------------------------------------------------------------------------------------
