@@ -124,7 +124,8 @@ def _grouped_rows(units: tuple[UnitChoice, ...]) -> list[str]:
         groups.setdefault((u.gather, u.reduce_label), []).append(u)
     rows = []
     for (gather, reduce), members in sorted(groups.items()):
-        names = ", ".join(m.name for m in members[:NAMES_PER_GROUP]) + (", ..." if len(members) > NAMES_PER_GROUP else "")
+        names = ", ".join(m.name for m in members[:NAMES_PER_GROUP])
+        names += ", ..." if len(members) > NAMES_PER_GROUP else ""
         rows.append(
             f"  {len(members):>5} units gather {gather:<9} {_us(sum(m.gather_s for m in members)):>12} "
             f"reduce {reduce:<9} {_us(sum(m.reduce_s for m in members)):>12}  ({names})"
