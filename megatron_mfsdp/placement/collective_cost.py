@@ -1,7 +1,7 @@
 """Which owner-collective algorithm each unit uses, gather and reduction apart, chosen by a
 latency-bandwidth cost model from the unit's layout alone, so every rank chooses the same.
 
-A unit's gather (its reduction mirrors it) can run as (docs: /work/shared/SCALE.md):
+A unit's gather (its reduction mirrors it) can run as (per-rank bytes: runtime/traffic.py):
 
 - ``parts``: one pipelined ring broadcast per non-empty owner part plus one ring all-gather of the
   evenly split tail. Every rank moves about one unit, but k owner parts pay k + 1 ring latencies
@@ -59,11 +59,11 @@ SPANNING_INTRA_HOP_FACTOR = 1.8
 NVLINK_BUS_BW = 230e9  # assumed: just under NCCL's 235 GB/s clamp for A100 (NVSwitch), bytes/s per GPU
 IB_BUS_BW = 23e9  # assumed: 8x HDR 200 Gb/s per node = 25 GB/s per GPU, 92% of it reached by NCCL rings
 GPU_CALL_OVERHEAD_S = 10e-6  # assumed: host cost of one torch.distributed call (Python + NCCL enqueue)
-# gloo on CPU over loopback: one level. Order of what benchmarks/scaling_model.py's calibration
-# measures on a 2-core machine (a 2-process all-gather); assumed, not measured per run.
+# gloo on CPU over loopback: one level. Rounded from benchmarks/scaling_model.py --quick's calibration
+# on this 2-core machine (2 processes: broadcast latency 139 us, 0.3-0.7 GB/s); assumed, not measured per run.
 GLOO_CALL_S = 20e-6  # assumed: Python + gloo dispatch of one call
-GLOO_HOP_S = 50e-6  # assumed: one loopback ring step (TCP round trip and a thread hand-off)
-GLOO_BUS_BW = 1.5e9  # assumed: loopback bytes/s per rank reached by gloo's ring
+GLOO_HOP_S = 150e-6  # one loopback ring step (a TCP round trip and a thread hand-off)
+GLOO_BUS_BW = 0.5e9  # loopback bytes/s per rank reached by gloo's ring
 CHAIN_CHUNK_BYTES = 4 << 20  # runtime/chain.py CHUNK_BYTES (the chain's message size); a test holds them equal
 
 
