@@ -26,6 +26,15 @@ before   the all-to-all runtime, for comparison only: the gather as every owner 
          reduction as one all_to_all_single (an owner receives W-1 copies of its segment).
 recon    ZeRO-3 (FSDP2-style): one all_gather (bf16) and one reduce_scatter (fp32) per unit; the
          step all-gathers each matrix's fp32 direction and runs Newton-Schulz on every rank.
+two_level  ours with every owner part broadcast (reduced) in two calls: over the owner's rail group
+         (one rank per node) on the network, then inside each node on NVLink; the tail as ours.
+bycost   ours with each unit's gather and reduction by the algorithm the cost model picks (parts,
+         two_level or one padded all_gather/reduce_scatter): what --mfsdp-collectives auto runs.
+limit    ZeRO-3's forward and backward (recon's collectives) with our owner-local step: what ours
+         would be if its collectives cost ZeRO-3's (issue 30's yardstick).
+
+Every collective is charged by megatron_mfsdp/placement/collective_cost.py's functions and
+constants (the runtime's choice and this model use one source of truth).
 
 Overlap, as the runtime runs on CUDA, the same for every system: the next unit's gather is
 prefetched (PREFETCH_DEPTH) while the current one computes, in forward and in backward; a unit's
@@ -52,7 +61,6 @@ which is run as a subprocess and compared.
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import re
 import statistics
@@ -69,6 +77,30 @@ import torch
 
 from megatron_mfsdp.compat.collectives import all_gather_single
 from megatron_mfsdp.optim.newton_schulz import NewtonSchulzCost, newton_schulz_cost
+from megatron_mfsdp.placement.collective_cost import (
+    GPU_CALL_OVERHEAD_S,
+    IB_BUS_BW,
+    NCCL_BASE_LAT_S,
+    NET_HOP_S,
+    NVLINK_BUS_BW,
+    NVLINK_HOP_S,
+    PADDED,
+    PARTS,
+    TWO_LEVEL,
+    CostConstants,
+    Level,
+    Topology,
+    UnitShape,
+    algorithm_time,
+    algorithm_times,
+    all_reduce_time,
+    chain_time,
+    fastest,
+    slices_time,
+)
+from megatron_mfsdp.placement.collective_cost import (
+    ring_latency as cost_ring_latency,
+)
 from megatron_mfsdp.runtime.chain import CHUNK_BYTES
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -81,19 +113,11 @@ NS_MATMUL_EFFICIENCY = 0.70  # assumed: cuBLAS bf16 GEMMs with all dims >= 1024 
 FWD_BWD_MFU = 0.50  # assumed model-flops utilization of GPT forward/backward at seq 4096
 A100_HBM_BW = 2.0e12 * 0.8  # A100-80GB datasheet 2.0 TB/s; assumed 80% reached by elementwise kernels
 GPU_LAUNCH_S = 5e-6  # assumed: host + launch cost of one CUDA kernel (matmul or elementwise op)
-GPU_CALL_OVERHEAD_S = 10e-6  # assumed: host cost of one torch.distributed call (Python + NCCL enqueue)
 GPUS_PER_NODE = 8
-# NCCL's own latency/bandwidth model (NVIDIA/nccl src/graph/tuning.cc, ncclTopoTuneModel): ring/LL
-# base latency 3.6 us, hop latency NVLink 0.47 us and network 2.7 us (intra-node hops x1.8 when the
-# ring spans nodes); sm80 bus bandwidth clamped at 235 GB/s. Ring all_gather/reduce_scatter: W-1
-# steps, nodes-1 of them on the network; ring broadcast/reduce: W steps at the network hop latency
-# once the communicator spans nodes (the branch for rings without the same channels; the physical
-# pipeline fill of a chunk through W ranks).
-NCCL_BASE_LAT_S = 3.6e-6
-NVLINK_HOP_S = 0.47e-6
-NET_HOP_S = 2.7e-6
-NVLINK_BUS_BW = 230e9  # assumed, just under NCCL's 235 GB/s clamp for A100 (DGX A100, NVSwitch)
-IB_BUS_BW = 23e9  # assumed: 8x HDR 200 Gb/s per node = 25 GB/s per GPU, 92% reached by NCCL rings
+# The collectives' latency and bandwidth (NCCL's tuning model: base, NVLink and network hop latencies,
+# NVLink and IB bus bandwidths, the host call) are the cost model's constants and formulas
+# (megatron_mfsdp/placement/collective_cost.py), imported above: the runtime's per-unit choice and
+# this model charge the same numbers.
 A2A_PEER_LAT_S = 1.0e-6  # assumed: per-peer cost of NCCL's grouped send/recv (the 'before' column only)
 # Training settings (the paper's: hidden 4096, FFN 16384, seq 4096, bf16, activation checkpointing).
 TOKENS_PER_GPU = 4096  # assumed: one 4096-token sequence per data-parallel rank and iteration
@@ -139,7 +163,7 @@ PAPER = {
     64: (25.8, 5064.0, 93.0, 2.01),
 }
 GPU_COUNTS = (8, 16, 32, 64, 128, 256, 512, 1024)
-SYSTEMS = ("ours", "hybrid", "exact", "before", "recon")
+SYSTEMS = ("ours", "two_level", "bycost", "hybrid", "exact", "before", "recon", "limit")
 
 
 @dataclass(frozen=True)
@@ -285,6 +309,7 @@ class UnitStats:
     tail: int  # T: elements split evenly
     parts: int  # k: non-empty owner parts (broadcasts of a gather, reduces of a reduction)
     max_segment: int  # the largest rank segment (matrix part + tail slice)
+    shape: UnitShape  # what the cost model charges: owner parts, padded tail slice, largest segment
 
 
 @dataclass
@@ -324,7 +349,8 @@ def plan_for(shape: Shape, world: int, ns: NewtonSchulzCost = GPU_NS) -> PlanSta
                 _add_tail_slot(ps, tb, slot.offset - unit.matrix_numel, slot.numel)
         parts = sum(mb[r + 1] > mb[r] for r in range(world))
         biggest = max(mb[r + 1] - mb[r] + tb[r + 1] - tb[r] for r in range(world))
-        ps.units.append(UnitStats(unit.name, unit.numel, unit.matrix_numel, unit.tail_numel, parts, biggest))
+        shape = UnitShape.of(unit)
+        ps.units.append(UnitStats(unit.name, unit.numel, unit.matrix_numel, unit.tail_numel, parts, biggest, shape))
     ps.all_matrices = [(p.shape, p.split_rows, p.numel) for u in specs for p in u.params if p.storage == WHOLE]
     ps.all_tail = [p.numel for u in specs for p in u.params if p.storage != WHOLE]
     ps.planner_balance = plan.report().splitlines()[-1]
@@ -344,50 +370,28 @@ def _add_tail_slot(ps: PlanStats, bounds: list[int], lo: int, numel: int) -> Non
 
 
 # ----------------------------------------------------------------------------- collectives
-def _nodes(hw: Hardware, group: int) -> int:
-    return max(1, math.ceil(group / hw.per_node))
+def costs_of(hw: Hardware) -> CostConstants:
+    """The cost model's constants for this hardware (its host call, base latency and two levels)."""
+    intra, inter = Level(hw.intra.hop_s, hw.intra.bus_bw), Level(hw.inter.hop_s, hw.inter.bus_bw)
+    return CostConstants(hw.call_s, hw.base_lat_s, intra, inter, chain_chunk_bytes=EXACT_CHUNK_BYTES)
 
 
-def _link(hw: Hardware, group: int) -> Link:
-    return hw.inter if _nodes(hw, group) > 1 else hw.intra
+def topology(hw: Hardware, group: int) -> Topology:
+    return Topology(group, hw.per_node)
 
 
 def ring_latency(hw: Hardware, group: int, steps: int) -> float:
-    """NCCL ring latency of an all-gather/reduce-scatter/all-reduce: base + intra hops (x1.8 when
-    spanning nodes) + network hops, plus the host call."""
-    nodes = _nodes(hw, group)
-    inter = min(steps, nodes - 1) if nodes > 1 else 0
-    intra_hop = hw.intra.hop_s * (1.8 if nodes > 1 else 1.0)
-    return hw.call_s + hw.base_lat_s + (steps - inter) * intra_hop + inter * hw.inter.hop_s
-
-
-def rooted_latency(hw: Hardware, group: int) -> float:
-    """One pipelined ring broadcast or reduce (tuning.cc: nRanks steps at the hop latency of the
-    communicator's transport, the network once it spans nodes), plus the host call."""
-    return hw.call_s + hw.base_lat_s + group * _link(hw, group).hop_s
-
-
-def two_level_latency(hw: Hardware, group: int) -> float:
-    """A broadcast/reduce done in two levels: inside the node over NVLink, then across nodes on the
-    rails (two collectives, so two calls and two base latencies). Where a node holds one rank of the
-    group there is nothing to do inside it: the flat ring."""
-    local, nodes = min(group, hw.per_node), _nodes(hw, group)
-    if local == 1 or nodes == 1:
-        return rooted_latency(hw, group)
-    return 2 * (hw.call_s + hw.base_lat_s) + local * hw.intra.hop_s + nodes * hw.inter.hop_s
+    """NCCL ring latency of an all-gather/reduce-scatter/all-reduce (the cost model's ring_latency)."""
+    return cost_ring_latency(costs_of(hw), topology(hw, group), steps)
 
 
 def all_gather(hw: Hardware, group: int, total_bytes: float) -> float:
     """Ring all-gather (or reduce-scatter: the same bytes and steps) of ``total_bytes`` in all."""
-    if group == 1:
-        return 0.0
-    return ring_latency(hw, group, group - 1) + total_bytes * (group - 1) / group / _link(hw, group).bus_bw
+    return slices_time(costs_of(hw), topology(hw, group), total_bytes / group)
 
 
 def all_reduce(hw: Hardware, group: int, nbytes: float) -> float:
-    if group == 1:
-        return 0.0
-    return ring_latency(hw, group, 2 * (group - 1)) + 2 * nbytes * (group - 1) / group / _link(hw, group).bus_bw
+    return all_reduce_time(costs_of(hw), topology(hw, group), nbytes)
 
 
 def all_to_all(hw: Hardware, group: int, send: float, recv: float) -> float:
@@ -407,45 +411,37 @@ def verify_latency(hw: Hardware, group: int) -> float:
     return all_gather(hw, group, 12 * group) if VERIFY_COLLECTIVES else 0.0
 
 
-def owner_parts_latency(hw: Hardware, group: int, u: UnitStats, two_level: bool = False) -> float:
-    """The k+1 ring latencies of one owner gather/reduction (one rooted op per owner part, one
-    all_gather/reduce_scatter of the tail), serialised: conservative."""
+def owner_latency(hw: Hardware, group: int, u: UnitStats, algorithm: str = PARTS) -> float:
+    """The latency of one owner gather/reduction by ``algorithm`` (the cost model at zero bytes): for
+    parts, the k+1 ring latencies, serialised (conservative: NCCL may overlap a group's ops)."""
+    return algorithm_time(algorithm, u.shape, topology(hw, group), 0, costs_of(hw))
+
+
+def owner_bandwidth(hw: Hardware, group: int, u: UnitStats, elem_bytes: int, algorithm: str = PARTS) -> float:
+    """The bandwidth term of one owner gather/reduction: for parts about U over the bus (every owner
+    part through every rank once, (W-1)/W of the padded tail: W/(W-1) of ZeRO-3's)."""
+    c, t = costs_of(hw), topology(hw, group)
+    return algorithm_time(algorithm, u.shape, t, elem_bytes, c) - algorithm_time(algorithm, u.shape, t, 0, c)
+
+
+def owner_collective(hw: Hardware, group: int, u: UnitStats, elem_bytes: int, algorithm: str = PARTS) -> float:
+    """One owner gather (reduction: the mirror) by ``algorithm``, or the fastest by the cost model
+    (``auto``: what --mfsdp-collectives auto picks), plus the signature check."""
     if group == 1:
         return 0.0
-    rooted = two_level_latency(hw, group) if two_level else rooted_latency(hw, group)
-    return u.parts * rooted + (ring_latency(hw, group, group - 1) if u.tail else 0.0)
-
-
-def owner_parts_bytes(group: int, u: UnitStats, elem_bytes: int) -> float:
-    """Bytes over the bus bandwidth of one owner gather/reduction: every owner part n_r passes
-    through every rank once (a ring broadcast: the root sends n_r, the others receive and forward
-    it, the ring's last only receives), and the group's rooted ops run one after another on the
-    ring, so their times add to sum n_r / bw; plus (W-1)/W of the padded tail. About U, whatever
-    the owners' split (ZeRO-3: (W-1)/W x U)."""
-    if group == 1:
-        return 0.0
-    return (u.matrix + (group - 1) * -(-u.tail // group)) * elem_bytes
-
-
-def owner_collective(hw: Hardware, group: int, u: UnitStats, elem_bytes: int, two_level: bool = False) -> float:
-    """One owner gather (broadcasts + tail all_gather) or reduction (reduces + tail reduce_scatter)."""
-    if group == 1:
-        return 0.0
-    nbytes = owner_parts_bytes(group, u, elem_bytes)
-    return verify_latency(hw, group) + owner_parts_latency(hw, group, u, two_level) + nbytes / _link(hw, group).bus_bw
+    c, t = costs_of(hw), topology(hw, group)
+    if algorithm == "auto":
+        algorithm = fastest(algorithm_times(u.shape, t, elem_bytes, c))
+    return verify_latency(hw, group) + algorithm_time(algorithm, u.shape, t, elem_bytes, c)
 
 
 def exact_reduction(hw: Hardware, group: int, u: UnitStats) -> float:
-    """The rank-ordered chain: C chunks through W-1 links (C + W - 2 pipelined steps, each a p2p
-    send/recv pair: two host calls, a base and one hop latency, and the chunk's bytes), then one more
-    step handing each owner its summed segment (the owner's extra s_r in)."""
+    """The rank-ordered chain (the cost model's chain_time: C chunks pipelined through W-1 links, then
+    each owner handed its summed segment), plus the signature check."""
     if group == 1:
         return 0.0
-    link, nbytes = _link(hw, group), u.numel * GRAD_REDUCE_BYTES
-    chunks = max(1, math.ceil(nbytes / EXACT_CHUNK_BYTES))
-    step = 2 * hw.call_s + hw.base_lat_s + link.hop_s + nbytes / chunks / link.bus_bw
-    handoff = hw.call_s + hw.base_lat_s + link.hop_s + u.max_segment * GRAD_REDUCE_BYTES / link.bus_bw
-    return verify_latency(hw, group) + (chunks + group - 2) * step + handoff
+    nbytes, segment = u.numel * GRAD_REDUCE_BYTES, u.max_segment * GRAD_REDUCE_BYTES
+    return verify_latency(hw, group) + chain_time(costs_of(hw), topology(hw, group), nbytes, segment)
 
 
 def before_gather(hw: Hardware, group: int, u: UnitStats) -> float:
@@ -530,18 +526,22 @@ def unit_compute(hw: Hardware, shape: Shape, ps: PlanStats, u: int) -> tuple[flo
     return fwd, (ACT_CKPT_PASSES - 1) * fwd
 
 
-def unit_comm(hw: Hardware, group: int, u: UnitStats, system: str, replicas: int = 1, two_level: bool = False):
+OWNER_ALGORITHM = {"two_level": TWO_LEVEL, "padded": PADDED, "bycost": "auto"}  # the rest: parts
+
+
+def unit_comm(hw: Hardware, group: int, u: UnitStats, system: str, replicas: int = 1):
     """(gather, reduction) of one unit for ``system`` over ``group`` ranks."""
     if system == "recon":
         padded = -(-u.numel // group) * group
         return all_gather(hw, group, padded * PARAM_BYTES), all_gather(hw, group, padded * GRAD_REDUCE_BYTES)
     if system == "before":
         return before_gather(hw, group, u), before_reduction(hw, group, u)
-    gather = owner_collective(hw, group, u, PARAM_BYTES, two_level)
+    algorithm = OWNER_ALGORITHM.get(system, PARTS)
+    gather = owner_collective(hw, group, u, PARAM_BYTES, algorithm)
     if system == "exact":
         reduce = exact_reduction(hw, group, u)
     else:
-        reduce = owner_collective(hw, group, u, GRAD_REDUCE_BYTES, two_level)
+        reduce = owner_collective(hw, group, u, GRAD_REDUCE_BYTES, algorithm)
     if replicas > 1:  # hybrid: each segment all-reduced over its replicas, which sit on different nodes
         reduce += all_reduce(replace(hw, per_node=1), replicas, u.max_segment * GRAD_REDUCE_BYTES)
     return gather, reduce
@@ -612,11 +612,11 @@ class Row:
         return MICRO_BATCHES * (self.phases.fwd + self.phases.bwd) + self.step
 
 
-def _costs(model: Model, shape: Shape, ps: PlanStats, system: str, replicas: int, two_level: bool):
+def _costs(model: Model, shape: Shape, ps: PlanStats, system: str, replicas: int):
     costs = []
     for i, u in enumerate(ps.units):
         fwd, bwd = unit_compute(model.hw, shape, ps, i)
-        costs.append(UnitCost(fwd, bwd, *unit_comm(model.hw, ps.world, u, system, replicas, two_level)))
+        costs.append(UnitCost(fwd, bwd, *unit_comm(model.hw, ps.world, u, system, replicas)))
     return costs
 
 
@@ -624,7 +624,7 @@ def hybrid_replicas(dp: int) -> int:
     return dp // min(dp, HYBRID_SHARD_RANKS)
 
 
-def evaluate(model: Model, gpus: int, systems=SYSTEMS, two_level: bool = False) -> dict[str, Row]:
+def evaluate(model: Model, gpus: int, systems=SYSTEMS) -> dict[str, Row]:
     """Every system at ``gpus`` GPUs: per-phase times, step and persistent memory."""
     shape, dp, hw = model.shape_for(gpus), gpus // model.tp, model.hw
     full, reps = plan_for(shape, dp), hybrid_replicas(dp)
@@ -633,12 +633,13 @@ def evaluate(model: Model, gpus: int, systems=SYSTEMS, two_level: bool = False) 
     rows = {}
     for system in systems:
         ps, r = (shard, reps) if system == "hybrid" else (full, 1)
-        if system == "recon":
-            step, mem = step_recon(hw, full), sum(full.owned) / dp * PERSISTENT_BYTES_PER_ELEMENT
+        if system in ("recon", "limit"):  # the limit: ZeRO-3's forward/backward, our owner-local step
+            step = step_full if system == "limit" else step_recon(hw, full)
+            mem = sum(full.owned) / dp * PERSISTENT_BYTES_PER_ELEMENT
         else:
             step = step_ours(hw, ps, dp) if r > 1 else step_full
             mem = max(ps.owned) * PERSISTENT_BYTES_PER_ELEMENT
-        phases = simulate(_costs(model, shape, ps, system, r, two_level))
+        phases = simulate(_costs(model, shape, ps, "recon" if system == "limit" else system, r))
         rows[system] = Row(model.key, gpus, dp, system, r, phases, step, mem)
     return rows
 
@@ -772,10 +773,13 @@ def print_validation(rows):
 # ----------------------------------------------------------------------------- studies and output
 LABELS = {
     "ours": "ours",
+    "two_level": "ours two-level",
+    "bycost": "ours by cost",
     "hybrid": "ours-hybrid",
     "exact": "ours-exact",
     "before": "before (all-to-all runtime)",
     "recon": "ZeRO-3 + recon",
+    "limit": "limit (ZeRO-3 fwd/bwd + our step)",
 }
 LLAMA_DP_SWEEP = (8, 16, 32, 64, 128, 256, 512, 1024)  # DP ranks of Llama's latency study (64 to 8192 GPUs)
 
@@ -887,6 +891,64 @@ def done_criterion(rows_by_model: dict) -> list[str]:
     return out
 
 
+LIMIT_DP = (8, 16, 32, 64, 128, 256, 512, 1024)  # issue 30: W (DP ranks) of the limit table, both models
+LIMIT_SYSTEMS = ("ours", "two_level", "bycost", "recon", "limit")
+LIMIT_TOLERANCE = 1.05  # issue 30's Done criterion: ours by cost within 5% of the limit at every W
+
+
+def limit_rows(model: Model) -> dict[int, dict[str, Row]]:
+    """W (DP ranks) -> the owner-collective variants, ZeRO-3 + recon and the limit, at W x TP GPUs."""
+    return {w: evaluate(model, w * model.tp, LIMIT_SYSTEMS) for w in LIMIT_DP}
+
+
+def bycost_choices(model: Model, dp: int) -> str:
+    """How many units the cost model sends down each algorithm, gather and reduction ('p12 t3 d1':
+    parts, two_level, padded)."""
+    shape, c = model.shape_for(dp * model.tp), costs_of(model.hw)
+    ps, t = plan_for(shape, dp), topology(model.hw, dp)
+    out = []
+    for elem in (PARAM_BYTES, GRAD_REDUCE_BYTES):
+        picks = [fastest(algorithm_times(u.shape, t, elem, c)) for u in ps.units]
+        out.append(" ".join(f"{letter}{picks.count(a)}" for letter, a in zip("ptd", (PARTS, TWO_LEVEL, PADDED))))
+    return " / ".join(out)
+
+
+def limit_table(model: Model, rows: dict) -> list[str]:
+    out = [
+        f"### {model.label}: owner collectives against the limit, iteration in ms",
+        "",
+        "limit: ZeRO-3's forward/backward (one all-gather and one reduce-scatter per unit) plus our "
+        "owner-local step. by-cost choices: units per algorithm (p parts, t two_level, d padded), gather / reduce.",
+        "",
+        "| W (DP) | GPUs | ours | ours two-level | ours by cost | ZeRO-3 + recon | limit "
+        "| ours / limit | two-level / limit | by cost / limit | by-cost choices |",
+        "|" + "---:|" * 10 + "---|",
+    ]
+    for w, s in rows.items():
+        limit = s["limit"].iteration
+        cells = [str(w), str(w * model.tp)] + [_ms(s[k].iteration) for k in LIMIT_SYSTEMS]
+        cells += [f"{s[k].iteration / limit:.3f}" for k in ("ours", "two_level", "bycost")]
+        out.append("| " + " | ".join(cells + [bycost_choices(model, w)]) + " |")
+    return out
+
+
+def limit_criterion(limits: dict) -> list[str]:
+    """Issue 30's Done criterion: ours by cost <= LIMIT_TOLERANCE x the limit at every W, both models."""
+    out, every = [], True
+    for model in MODELS:
+        ratio = {w: s["bycost"].iteration / s["limit"].iteration for w, s in limits[model.key].items()}
+        failing = [w for w, r in ratio.items() if r > LIMIT_TOLERANCE * (1 + EQUAL_RTOL)]
+        worst = max(ratio, key=ratio.get)
+        every &= not failing
+        out.append(
+            f"RESULT limit_criterion model={model.key} bycost_within_{LIMIT_TOLERANCE}x_limit="
+            f"{'no' if failing else 'yes'} worst_bycost_over_limit={ratio[worst]:.3f} at_dp={worst} "
+            f"failing_dp={','.join(map(str, failing)) or '-'}"
+        )
+    out.append(f"RESULT limit_criterion all={'yes' if every else 'no'}")
+    return out
+
+
 def paper_note() -> str:
     ps, paper_ms = plan_for(paper_gpt(8), 8), PAPER[8][2]
     busiest = max(ps.ns_flops)
@@ -906,9 +968,9 @@ def latency_points(model: Model, gpus_list) -> list[SimpleNamespace]:
         shape, dp = model.shape_for(gpus), gpus // model.tp
         ps = plan_for(shape, dp)
         i = max(range(1, len(ps.units) - 1), key=lambda k: (ps.units[k].parts, ps.units[k].numel))
-        u, link = ps.units[i], _link(model.hw, dp)
-        bw = owner_parts_bytes(dp, u, PARAM_BYTES) / link.bus_bw
-        lat, two = owner_parts_latency(model.hw, dp, u), owner_parts_latency(model.hw, dp, u, two_level=True)
+        u = ps.units[i]
+        bw = owner_bandwidth(model.hw, dp, u, PARAM_BYTES)
+        lat, two = owner_latency(model.hw, dp, u), owner_latency(model.hw, dp, u, TWO_LEVEL)
         fwd = unit_compute(model.hw, shape, ps, i)[0]
         points.append(SimpleNamespace(gpus=gpus, dp=dp, unit=u, lat=lat, two=two, bw=bw, fwd=fwd))
     return points
@@ -916,8 +978,8 @@ def latency_points(model: Model, gpus_list) -> list[SimpleNamespace]:
 
 def _two_level_saving(model: Model, gpus: int) -> tuple[float, float]:
     """(flat, two-level) iteration of ours at ``gpus`` GPUs."""
-    flat = evaluate(model, gpus, ("ours",))["ours"].iteration
-    return flat, evaluate(model, gpus, ("ours",), two_level=True)["ours"].iteration
+    rows = evaluate(model, gpus, ("ours", "two_level"))
+    return rows["ours"].iteration, rows["two_level"].iteration
 
 
 def _where(p: SimpleNamespace, model: Model, detail: str = "") -> str:
@@ -950,12 +1012,13 @@ def _two_level_text(model: Model, at, last, saving: tuple, saving_last: tuple) -
         )
     n = model.hw.per_node
     return (
-        f"A two-level broadcast/reduce (over NVLink inside the node, then across nodes on rails: two base "
-        f"latencies + {n} NVLink hops + W/{n} network hops instead of W network hops) cuts that gather's latency "
-        f"from {_ms(at.lat)} to {_ms(at.two)} ms at {_where(at, model)} and would save {_ms(flat - two)} ms per "
-        f"iteration there ({_ms(flat)} -> {_ms(two)} ms, {100 * (1 - two / flat):.1f}%); at {_where(last, model)}, "
-        f"{_ms(last.lat)} -> {_ms(last.two)} ms per gather and {_ms(flat_last - two_last)} ms per iteration "
-        f"({100 * (1 - two_last / flat_last):.1f}%)."
+        f"A two-level broadcast/reduce (across nodes on the owner's rail group, then inside each node: two base "
+        f"latencies + W/{n} network hops + {n} NVLink hops instead of W network hops, and a second pass of the "
+        f"bytes over NVLink) cuts that gather's latency from {_ms(at.lat)} to {_ms(at.two)} ms at "
+        f"{_where(at, model)} and changes an iteration there by {_ms(two - flat)} ms ({_ms(flat)} -> {_ms(two)} ms, "
+        f"{100 * (two / flat - 1):+.1f}%); at {_where(last, model)}, {_ms(last.lat)} -> {_ms(last.two)} ms per "
+        f"gather and {_ms(two_last - flat_last)} ms per iteration ({100 * (two_last / flat_last - 1):+.1f}%). "
+        "Ours by cost takes it per unit only where it is faster."
     )
 
 
@@ -982,7 +1045,16 @@ def print_assumptions():
     print(", ".join(f"{k}={globals()[k]:g}" for k in names))
 
 
-STYLES = {"ours": "o-", "hybrid": "x--", "exact": "d:", "before": "+-.", "recon": "s-"}
+STYLES = {
+    "ours": "o-",
+    "two_level": "^-",
+    "bycost": "v-",
+    "hybrid": "x--",
+    "exact": "d:",
+    "before": "+-.",
+    "recon": "s-",
+    "limit": "k:",
+}
 
 
 def plot(path: str, rows_by_model: dict) -> None:
@@ -1051,7 +1123,10 @@ def main(argv=None):
     findings = [line for m in MODELS for line in latency_study(m, sweeps[m.key])]
     md += ["### Where the per-part ring latency shows"]
     md += [x for f in findings if not f.startswith("LATENCY") for x in ("", f)]
-    criterion = done_criterion(rows)
+    limits = {m.key: limit_rows(m) for m in MODELS}
+    for m in MODELS:
+        md += [""] + limit_table(m, limits[m.key])
+    criterion = done_criterion(rows) + limit_criterion(limits)
     md += ["", "### Done criterion", ""] + [f"`{c}`" for c in criterion]
     print("\n" + "\n".join(md))
     for m in MODELS:

@@ -20,6 +20,7 @@ from .optim import registry
 from .optim.muon import MuonSettings
 from .placement.blocks import MODES as QKV_OWNER_MODES
 from .placement.classes import LAYOUTS, MATRIX, RuleSet
+from .placement.collective_cost import MODES as COLLECTIVE_MODES
 from .placement.planner import POLICIES
 from .precision.fp8 import Fp8Config
 from .runtime.comm import REDUCE_ORDERS
@@ -84,6 +85,12 @@ class MatrixFSDPConfig:
     summed in ring order in the wire dtype; 'auto': ring on NCCL, rank elsewhere (gloo). Each moves
     about one unit per rank and reduction, however the owners split it."""
 
+    collectives: str = field(default="auto", metadata={"choices": COLLECTIVE_MODES})
+    """Each unit's owner-collective algorithm, gather and reduction apart (placement/collectives.py):
+    'auto' the fastest by the cost model (a reduction in rank order stays the exact chain); 'parts',
+    'two-level' or 'padded' forces one everywhere (tests, benchmarks). The sums' order is the
+    algorithm's; the elements moved and where they land are the same."""
+
     verify_collectives: bool = True
     """Before every owner collective, all-gather a 3-integer signature and raise on a mismatch
     instead of hanging. Costs one tiny collective per unit operation."""
@@ -106,6 +113,7 @@ class MatrixFSDPConfig:
             raise ValueError(f"max_reduces_in_flight must be at least 1, got {self.max_reduces_in_flight}")
         _check_choice(self.layout, LAYOUTS, "--mfsdp-layout", "layout")
         _check_choice(self.reduce_order, REDUCE_ORDERS, "--mfsdp-reduce-order", "reduce order")
+        _check_choice(self.collectives, COLLECTIVE_MODES, "--mfsdp-collectives", "owner collectives")
         _check_choice(self.split_qkv_owners, QKV_OWNER_MODES, "--mfsdp-split-qkv-owners", "Q/K/V owner mode")
         for rule in self.param_rules:
             if len(rule) != 2 or rule[1] not in registry.rule_names():

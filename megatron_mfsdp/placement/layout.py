@@ -17,7 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 from .classes import ELEMENTWISE, MATRIX, WHOLE
 
@@ -168,9 +168,12 @@ class Plan:
     cost_per_rank: list[int]  # planner cost (NS multiply-adds per optimizer step) of each rank's matrices
     element_size: int = 4
     extra_per_rank: list[int] | None = None  # matrices' state beyond one fp32 word per element, in elements
+    collectives: object | None = field(default=None, compare=False)
+    """Each unit's owner-collective algorithms (placement/collectives.py CollectivePlan), once chosen."""
 
     def digest(self) -> str:
-        """A hash of everything that decides the layout; equal on every rank or training is wrong."""
+        """A hash of everything that decides the layout; equal on every rank or training is wrong. A
+        checkpoint compares it, so the collective algorithms (which move the same elements) stay out."""
         units = [asdict(u) for u in self.units]
         for unit in units:  # a slot that is a whole parameter hashes as before blocks existed
             for slot in unit["slots"]:
@@ -179,6 +182,13 @@ class Plan:
                 slot["rule"] = legacy_rule_name(slot["rule"], slot["storage"])
         payload = json.dumps({"world_size": self.world_size, "units": units}, sort_keys=True)
         return hashlib.sha256(payload.encode()).hexdigest()
+
+    def agreement_digest(self) -> str:
+        """What every rank of a group must compute alike: the layout and, once chosen, the collective
+        algorithms (ranks that chose differently would issue different collectives and hang)."""
+        if self.collectives is None:
+            return self.digest()
+        return hashlib.sha256(f"{self.digest()}|{self.collectives.digest()}".encode()).hexdigest()
 
     def per_rank_weight(self) -> list[int]:
         """Per rank, what the planner balances as memory: owned elements plus extra state (ParamSpec.weight)."""
@@ -216,6 +226,8 @@ class Plan:
         else:
             lines += _summary(rows, nbytes, costs, header)
         lines.append(f"max/mean: bytes {balance(nbytes):.3f}, NS flops {balance(costs):.3f}")
+        if self.collectives is not None:
+            lines.append(self.collectives.report())
         return "\n".join(lines)
 
 

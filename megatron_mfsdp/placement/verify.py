@@ -15,19 +15,20 @@ _OP_NAMES = {GATHER: "gather", REDUCE: "reduce"}
 
 
 def verify_plan_agreement(plan: Plan, group) -> None:
-    """Compare the plan digest across the group; raise naming the ranks that disagree."""
+    """Compare the plan's agreement digest (its layout and, once chosen, its collective algorithms)
+    across the group; raise naming the ranks that disagree."""
     if group is None or dist.get_world_size(group) == 1:
         return
     digests = [None] * dist.get_world_size(group)
-    dist.all_gather_object(digests, plan.digest(), group=group)
+    dist.all_gather_object(digests, plan.agreement_digest(), group=group)
     if len(set(digests)) != 1:
         by_digest: dict[str, list[int]] = {}
         for r, d in enumerate(digests):
             by_digest.setdefault(d, []).append(r)
         groups = "; ".join(f"ranks {ranks}: {d[:12]}" for d, ranks in by_digest.items())
         raise RuntimeError(
-            "MatrixFSDP ranks computed different placement plans (different models, parameter "
-            f"rules or planner settings per rank?): {groups}"
+            "MatrixFSDP ranks computed different placement plans or collective algorithms (different "
+            f"models, parameter rules, planner or --mfsdp-collectives settings per rank?): {groups}"
         )
 
 

@@ -53,6 +53,7 @@ def runtime_config(args, on_cpu: bool | None = None) -> MatrixFSDPConfig:
         ),
         verify_collectives=args.mfsdp_verify_collectives,
         reduce_order=args.mfsdp_reduce_order,
+        collectives=args.mfsdp_collectives,
         grad_reduce_in_fp32=args.accumulate_allreduce_grads_in_fp32 or not low_precision,
         prefetch_depth=args.mfsdp_prefetch_depth,
         overlap_grad_reduce=overlap_grad_reduce(args),

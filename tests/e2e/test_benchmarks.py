@@ -108,7 +108,7 @@ def test_scaling_model_quick(tmp_path):
     calib = dict(kv.split("=") for kv in re.search(r"^CALIB (.*)$", out, re.M).group(1).split())
     assert all(float(v) > 0 for v in calib.values()), calib
     gpus = [8, 16, 32, 64, 128, 256, 512, 1024]
-    systems = {"ours", "hybrid", "exact", "before", "recon"}
+    systems = {"ours", "two_level", "bycost", "hybrid", "exact", "before", "recon", "limit"}
     results = [dict(kv.split("=") for kv in m.group(1).split()) for m in re.finditer(r"^RESULT (model=.*)$", out, re.M)]
     table = md.read_text()
     for model, tp in (("gpt", 1), ("llama", 8)):
@@ -126,6 +126,10 @@ def test_scaling_model_quick(tmp_path):
         assert criterion and criterion.groups() == ("yes", ",".join(map(str, gpus))), out[-3000:]
         assert re.search(rf"^LATENCY model={model} .*saving_ms=[\d.]+", out, re.M), out[-3000:]
     assert re.search(r"^RESULT done_criterion all=yes$", out, re.M)
+    for model, tp in (("gpt", 1), ("llama", 8)):  # issue 30: by cost against the limit, W 8 to 1024 (reported)
+        assert re.search(rf"^RESULT limit_criterion model={model} bycost_within_1.05x_limit=(yes|no) ", out, re.M)
+        for w in gpus:
+            assert re.search(rf"^\| {w} \| {w * tp} \| [\d,.]+ \| [\d,.]+ \| [\d,.]+ \|", table, re.M), (model, w)
     gpt = {int(r["gpus"]): r for r in results if r["model"] == "gpt"}
     recon = [float(gpt[g]["recon_step_ms"]) for g in gpus]
     assert all(a < b for a, b in zip(recon, recon[1:])), recon  # reconstruction grows with W (weak scaling)

@@ -215,6 +215,18 @@ def add_mfsdp_args(p: argparse.ArgumentParser) -> None:
         "of the tail, summed in ring order in the wire dtype; auto: ring on NCCL, rank elsewhere (gloo). "
         "Either moves about one unit per rank and reduction, however the owners split it",
     )
+    add_config_choice(
+        g,
+        "--mfsdp-collectives",
+        R,
+        "collectives",
+        "each unit's owner gather and reduction: parts (a broadcast or reduce per owner part and an "
+        "all-gather or reduce-scatter of the tail), two-level (per part over the owner's inter-node rail "
+        "group, then inside each node), padded (one all-gather or reduce-scatter of the segments padded "
+        "to the largest: more bytes, one latency). auto: the fastest by a latency-bandwidth model, per "
+        "unit and direction, printed in the plan table; a reduction in rank order (--mfsdp-reduce-order) "
+        "stays the exact chain. A forced algorithm applies to both directions",
+    )
     g.add_argument(
         "--mfsdp-no-verify-collectives",
         dest="mfsdp_verify_collectives",

@@ -566,6 +566,21 @@ def _validate_layout(args) -> None:
         _fail(f"--mfsdp-layout {args.mfsdp_layout} does not support --fp8-param-gather (FP8 needs whole matrices)")
 
 
+def _validate_collectives(args) -> None:
+    """A forced owner-collective algorithm needs owners; one other than parts would replace the exact
+    rank-order chain that an explicit --mfsdp-reduce-order rank asks for, so that pair is refused."""
+    if args.mfsdp_collectives == "auto":
+        return
+    flag = f"--mfsdp-collectives {args.mfsdp_collectives}"
+    if not args.use_matrix_fsdp:
+        _fail(f"{flag} needs --use-matrix-fsdp (owner collectives are MatrixFSDP's)")
+    if args.mfsdp_collectives != "parts" and args.mfsdp_reduce_order == "rank":
+        _fail(
+            f"{flag} with --mfsdp-reduce-order rank: the {args.mfsdp_collectives} reduction sums in its own "
+            "order, not the exact rank order; force it with --mfsdp-reduce-order ring or auto"
+        )
+
+
 def _validate_qkv_owners(args) -> None:
     """Q, K and V apart are blocks of a matrix rule that updates them apart, on MatrixFSDP owners (the
     config checks the rest)."""
@@ -602,6 +617,7 @@ def validate_optimizer(args) -> None:
     args.param_rules = [parse_rule(rule, registry.rule_names()) for rule in args.mfsdp_param_rule]
     _validate_qkv_owners(args)  # flag-level reasons first; the configs then check their own fields
     _validate_layout(args)
+    _validate_collectives(args)
     runtime_config(args)  # the configs validate their own fields (one source of truth)
     optimizer_config(args)
     if args.use_matrix_fsdp:

@@ -1,0 +1,223 @@
+"""Which owner-collective algorithm each unit uses, gather and reduction apart, chosen by a
+latency-bandwidth cost model from the unit's layout alone, so every rank chooses the same.
+
+A unit's gather (its reduction mirrors it) can run as (per-rank bytes: runtime/traffic.py):
+
+- ``parts``: one pipelined ring broadcast per non-empty owner part plus one ring all-gather of the
+  evenly split tail. Every rank moves about one unit, but k owner parts pay k + 1 ring latencies
+  of about W hops each;
+- ``two_level``: each owner part broadcast over the owner's rail group (one rank per node, the
+  owner among them), then inside every node: about W/n network hops plus n NVLink hops per part
+  instead of W network hops, for a second pass of the bytes over NVLink. The tail's all-gather
+  stays one flat ring (NCCL's ring already crosses the network only once per node);
+- ``padded``: one all-gather (reduce-scatter) of every rank's segment padded to the largest: one
+  ring latency, W x the largest segment in bytes. It wins for small units and small W.
+
+Each call costs ``call + base + hops x hop latency + bytes / bus bandwidth`` with the hop latency
+and bandwidth of the level it crosses (NVIDIA NCCL's tuning model, src/graph/tuning.cc: a ring
+all-gather takes W - 1 steps of which nodes - 1 are on the network, intra-node hops slowed 1.8x
+when the ring spans nodes; a ring broadcast or reduce takes W steps at the network's hop latency
+once the communicator spans nodes). ``benchmarks/scaling_model.py`` charges its collectives with
+these same functions and constants. The signature check of each owner collective
+(placement/verify.py) is the same for every algorithm and is left out.
+
+With reduce order ``rank`` (gloo's default) the reduction is the exact rank-ordered chain; ``auto``
+keeps it (an exact sum is never replaced silently) and only a forced algorithm replaces it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from .layout import UnitLayout
+
+PARTS, TWO_LEVEL, PADDED = "parts", "two_level", "padded"
+ALGORITHMS = (PARTS, TWO_LEVEL, PADDED)
+"""The algorithms of one unit and direction, in tie-break order: on equal predicted time the
+earlier wins (``parts``, today's calls, first)."""
+
+MODES = ("auto", "parts", "two-level", "padded")
+"""--mfsdp-collectives: ``auto`` chooses by cost; the others force one algorithm everywhere."""
+MODE_ALGORITHM = {"parts": PARTS, "two-level": TWO_LEVEL, "padded": PADDED}
+
+GATHER_DIRECTION, REDUCE_DIRECTION = "gather", "reduce"
+CHAIN = "chain"  # how the table names a ``parts`` reduction run as the rank-ordered chain
+
+TIE_RTOL = 1e-9
+"""Predicted times closer than this (relative) count as equal, so the tie-break decides and
+float noise in the last bits cannot flip a choice."""
+
+# NCCL's latency model (NVIDIA/nccl src/graph/tuning.cc, ncclTopoTuneModel): ring/LL base latency
+# 3.6 us, hop latency 0.47 us over NVLink and 2.7 us over the network; intra-node hops count 1.8x
+# when a ring spans nodes. Bandwidths are the paper's cluster (A100-80GB, DGX A100, 8x HDR per node).
+NCCL_BASE_LAT_S = 3.6e-6
+NVLINK_HOP_S = 0.47e-6
+NET_HOP_S = 2.7e-6
+SPANNING_INTRA_HOP_FACTOR = 1.8
+NVLINK_BUS_BW = 230e9  # assumed: just under NCCL's 235 GB/s clamp for A100 (NVSwitch), bytes/s per GPU
+IB_BUS_BW = 23e9  # assumed: 8x HDR 200 Gb/s per node = 25 GB/s per GPU, 92% of it reached by NCCL rings
+GPU_CALL_OVERHEAD_S = 10e-6  # assumed: host cost of one torch.distributed call (Python + NCCL enqueue)
+# gloo on CPU over loopback: one level. Rounded from benchmarks/scaling_model.py --quick's calibration
+# on this 2-core machine (2 processes: broadcast latency 139 us, 0.3-0.7 GB/s); assumed, not measured per run.
+GLOO_CALL_S = 20e-6  # assumed: Python + gloo dispatch of one call
+GLOO_HOP_S = 150e-6  # one loopback ring step (a TCP round trip and a thread hand-off)
+GLOO_BUS_BW = 0.5e9  # loopback bytes/s per rank reached by gloo's ring
+CHAIN_CHUNK_BYTES = 4 << 20  # runtime/chain.py CHUNK_BYTES (the chain's message size); a test holds them equal
+
+
+@dataclass(frozen=True)
+class Level:
+    """One level of the network: the latency of one ring step and the bus bandwidth per rank."""
+
+    hop_s: float
+    bus_bw: float
+
+
+@dataclass(frozen=True)
+class CostConstants:
+    """The constants of the model; override any of them with ``dataclasses.replace``."""
+
+    call_s: float  # host cost of one collective call
+    base_s: float  # base latency of one collective
+    intra: Level  # inside a node (NVLink)
+    inter: Level  # between nodes (the rails)
+    spanning_intra_factor: float = SPANNING_INTRA_HOP_FACTOR  # intra hops of a ring that spans nodes
+    chain_chunk_bytes: int = CHAIN_CHUNK_BYTES
+
+
+NCCL_A100 = CostConstants(
+    GPU_CALL_OVERHEAD_S, NCCL_BASE_LAT_S, Level(NVLINK_HOP_S, NVLINK_BUS_BW), Level(NET_HOP_S, IB_BUS_BW)
+)
+GLOO_CPU = CostConstants(GLOO_CALL_S, 0.0, Level(GLOO_HOP_S, GLOO_BUS_BW), Level(GLOO_HOP_S, GLOO_BUS_BW), 1.0)
+
+
+def constants_for(backend: str) -> CostConstants:
+    """The default constants of a torch.distributed backend: NCCL's on ``nccl``, gloo's elsewhere."""
+    return NCCL_A100 if backend == "nccl" else GLOO_CPU
+
+
+@dataclass(frozen=True)
+class Topology:
+    """W ranks of one collective, ``per_node`` of them on each node (the last node may hold fewer)."""
+
+    world: int
+    per_node: int
+
+    def __post_init__(self):
+        if self.world < 1 or self.per_node < 1:
+            raise ValueError(f"a topology needs world >= 1 and ranks per node >= 1, got {self.world}, {self.per_node}")
+
+    @property
+    def nodes(self) -> int:
+        return math.ceil(self.world / self.per_node)
+
+    @property
+    def local(self) -> int:
+        """Ranks of the collective on one (full) node."""
+        return min(self.world, self.per_node)
+
+    def level(self, c: CostConstants) -> Level:
+        """The level a flat ring over all W crosses: the network once it spans nodes."""
+        return c.inter if self.nodes > 1 else c.intra
+
+
+def ring_latency(c: CostConstants, t: Topology, steps: int) -> float:
+    """Latency of a ring all-gather / reduce-scatter / all-reduce of ``steps`` steps: the host call,
+    the base, nodes - 1 network steps and the rest inside nodes."""
+    spans = t.nodes > 1
+    network = min(steps, t.nodes - 1) if spans else 0
+    intra_hop = c.intra.hop_s * (c.spanning_intra_factor if spans else 1.0)
+    return c.call_s + c.base_s + (steps - network) * intra_hop + network * c.inter.hop_s
+
+
+def rooted_time(c: CostConstants, t: Topology, nbytes: float) -> float:
+    """One pipelined ring broadcast (or reduce) of ``nbytes``: W steps at the hop latency of the
+    level the ring crosses, and the bytes once through every rank."""
+    if t.world == 1:
+        return 0.0
+    level = t.level(c)
+    return c.call_s + c.base_s + t.world * level.hop_s + nbytes / level.bus_bw
+
+
+def two_level_rooted_time(c: CostConstants, t: Topology, nbytes: float) -> float:
+    """A broadcast (reduce) in two calls: over the owner's rail group (one rank per node) on the
+    network, then inside each node on NVLink. On one node, or one rank per node, it is the flat ring."""
+    if t.nodes == 1 or t.local == 1:
+        return rooted_time(c, t, nbytes)
+    rails = 2 * (c.call_s + c.base_s) + t.nodes * c.inter.hop_s + nbytes / c.inter.bus_bw
+    return rails + t.local * c.intra.hop_s + nbytes / c.intra.bus_bw
+
+
+def slices_time(c: CostConstants, t: Topology, slice_bytes: float) -> float:
+    """One ring all-gather (or reduce-scatter) of W slices of ``slice_bytes``: each rank moves W - 1."""
+    if t.world == 1:
+        return 0.0
+    return ring_latency(c, t, t.world - 1) + (t.world - 1) * slice_bytes / t.level(c).bus_bw
+
+
+def all_reduce_time(c: CostConstants, t: Topology, nbytes: float) -> float:
+    """One ring all-reduce of ``nbytes``: 2 (W - 1) steps, 2 (W - 1) / W of the bytes each way."""
+    if t.world == 1:
+        return 0.0
+    return ring_latency(c, t, 2 * (t.world - 1)) + 2 * nbytes * (t.world - 1) / t.world / t.level(c).bus_bw
+
+
+def chain_time(c: CostConstants, t: Topology, nbytes: float, max_segment_bytes: float) -> float:
+    """The rank-ordered chain (runtime/chain.py): the packed gradient in C chunks through W - 1 links
+    (C + W - 2 pipelined steps, each a send/recv pair: two calls, a base and a hop latency, a chunk's
+    bytes), then one step handing each owner its summed segment."""
+    if t.world == 1:
+        return 0.0
+    level = t.level(c)
+    chunks = max(1, math.ceil(nbytes / c.chain_chunk_bytes))
+    step = 2 * c.call_s + c.base_s + level.hop_s + nbytes / chunks / level.bus_bw
+    handoff = c.call_s + c.base_s + level.hop_s + max_segment_bytes / level.bus_bw
+    return (chunks + t.world - 2) * step + handoff
+
+
+@dataclass(frozen=True)
+class UnitShape:
+    """What the cost of a unit's collectives depends on, in elements."""
+
+    parts: tuple[int, ...]  # each non-empty owner part, in layout order
+    tail_slice: int  # the largest tail slice (every slice is padded to it); 0 without a tail
+    max_segment: int  # the largest rank segment (matrix part + tail slice)
+    numel: int
+
+    @classmethod
+    def of(cls, layout: UnitLayout) -> UnitShape:
+        w = layout.world_size
+        parts = tuple(hi - lo for lo, hi in map(layout.matrix_range, range(w)) if hi > lo)
+        b = layout.tail_bounds
+        tail = max(b[r + 1] - b[r] for r in range(w)) if layout.tail_numel else 0
+        return cls(parts, tail, max(map(layout.segment_numel, range(w))), layout.numel)
+
+
+def algorithm_time(algorithm: str, u: UnitShape, t: Topology, elsize: int, c: CostConstants) -> float:
+    """Predicted seconds of one gather (or reduction: the mirror, the same time) of unit ``u``."""
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"unknown collective algorithm {algorithm!r}; choose one of {ALGORITHMS}")
+    if t.world == 1:
+        return 0.0
+    if algorithm == PADDED:
+        return slices_time(c, t, u.max_segment * elsize)
+    rooted = two_level_rooted_time if algorithm == TWO_LEVEL else rooted_time
+    tail = slices_time(c, t, u.tail_slice * elsize) if u.tail_slice else 0.0
+    return sum(rooted(c, t, n * elsize) for n in u.parts) + tail
+
+
+def algorithm_times(u: UnitShape, t: Topology, elsize: int, c: CostConstants) -> tuple[float, ...]:
+    """Predicted seconds of each algorithm, in ALGORITHMS order."""
+    return tuple(algorithm_time(a, u, t, elsize, c) for a in ALGORITHMS)
+
+
+def fastest(times: Sequence[float]) -> str:
+    """The algorithm of least predicted time (``times`` in ALGORITHMS order); a later one must be
+    faster by more than TIE_RTOL to win, so ties go to the earlier (``parts`` first)."""
+    best = 0
+    for i in range(1, len(ALGORITHMS)):
+        if times[i] < times[best] * (1 - TIE_RTOL):
+            best = i
+    return ALGORITHMS[best]
