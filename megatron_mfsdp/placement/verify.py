@@ -1,13 +1,17 @@
 """Agreement checks across ranks, so that ranks that diverged fail loudly instead of
 hanging in (or corrupting) a collective: the plan digest at start-up, and a
-3-integer signature with every owner collective."""
+3-integer signature with every owner collective.
+
+The signature is one MAX all-reduce of (unit, op, numel, -unit, -op, -numel): the ranks agree exactly
+when the maxima equal the minima. An all-reduce of 48 bytes runs as NCCL's tree (about log2 W network
+latencies, where an all-gather's ring takes W), so the check costs little at a thousand ranks; a
+mismatch is reported as this rank's signature and the range over the group."""
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 
-from ..compat.collectives import all_gather_single
 from .layout import Plan
 
 GATHER, REDUCE = 1, 2
@@ -33,35 +37,39 @@ def verify_plan_agreement(plan: Plan, group) -> None:
 
 
 class SignatureCheck:
-    """A signature all-gather in flight; :meth:`verify` waits for it and raises on a mismatch."""
+    """A signature all-reduce in flight; :meth:`verify` waits for it and raises on a mismatch."""
 
-    def __init__(self, everyone: torch.Tensor, work, world: int):
-        self._everyone, self._work, self._world = everyone, work, world
+    def __init__(self, reduced: torch.Tensor, mine: list[int], rank: int, work):
+        self._reduced, self._mine, self._rank, self._work = reduced, mine, rank, work
 
     def verify(self) -> None:
         if self._work is None:
             return
         self._work.wait()
         self._work = None
-        rows = self._everyone.view(self._world, 3).tolist()
-        if any(row != rows[0] for row in rows):
-            described = ", ".join(
-                f"rank {r}: {_OP_NAMES.get(op, op)} unit {u} ({n} elements)" for r, (u, op, n) in enumerate(rows)
+        values = self._reduced.tolist()
+        top, low = values[:3], [-v for v in values[3:]]
+        if top != low:
+            u, op, n = self._mine
+            ranges = ", ".join(f"{what} {a} to {b}" for what, a, b in zip(("units", "ops", "sizes"), low, top))
+            raise RuntimeError(
+                "MatrixFSDP collective mismatch across the data-parallel group: rank "
+                f"{self._rank}: {_OP_NAMES.get(op, op)} unit {u} ({n} elements); over the group {ranges} "
+                f"(ops: {', '.join(f'{k} {v}' for k, v in _OP_NAMES.items())})"
             )
-            raise RuntimeError(f"MatrixFSDP collective mismatch across the data-parallel group: {described}")
 
 
 def start_signature(group, unit_index: int, op: int, numel: int, device=None) -> SignatureCheck:
-    """Start all-gathering (unit, op, numel). Every rank issues exactly one per owner collective, all
-    of the same size, so these all-gathers match even when the collectives they describe do not:
-    verifying one before waiting for its collective raises instead of hanging, without making the
+    """Start the MAX all-reduce of (unit, op, numel) and their negatives. Every rank issues exactly one per
+    owner collective, all of the same size, so these match even when the collectives they describe do
+    not: verifying one before waiting for its collective raises instead of hanging, without making the
     collective wait for the check (a blocking check's cost: benchmarks/results/cpu_costs.md)."""
-    world = dist.get_world_size(group)
-    mine = torch.tensor([unit_index, op, numel], dtype=torch.int64, device=device)
-    everyone = torch.empty(world * 3, dtype=torch.int64, device=device)
-    return SignatureCheck(everyone, all_gather_single(everyone, mine, group=group, async_op=True), world)
+    mine = [unit_index, op, numel]
+    reduced = torch.tensor(mine + [-v for v in mine], dtype=torch.int64, device=device)
+    work = dist.all_reduce(reduced, op=dist.ReduceOp.MAX, group=group, async_op=True)
+    return SignatureCheck(reduced, mine, dist.get_rank(group), work)
 
 
 def check_signature(group, unit_index: int, op: int, numel: int, device=None) -> None:
-    """All-gather (unit, op, numel) now and raise on any mismatch."""
+    """Compare (unit, op, numel) across the group now and raise on any mismatch."""
     start_signature(group, unit_index, op, numel, device).verify()
