@@ -12,6 +12,12 @@ from .layout import Plan
 
 GATHER, REDUCE = 1, 2
 _OP_NAMES = {GATHER: "gather", REDUCE: "reduce"}
+ALGORITHM_STRIDE = 10  # a signature's op is GATHER or REDUCE + this x the algorithm's index (runtime/comm.py)
+
+
+def _op_name(op: int) -> str:
+    name = _OP_NAMES.get(op % ALGORITHM_STRIDE, str(op))
+    return f"{name} (algorithm {op // ALGORITHM_STRIDE})" if op >= ALGORITHM_STRIDE else name
 
 
 def verify_plan_agreement(plan: Plan, group) -> None:
@@ -45,7 +51,7 @@ class SignatureCheck:
         rows = self._everyone.view(self._world, 3).tolist()
         if any(row != rows[0] for row in rows):
             described = ", ".join(
-                f"rank {r}: {_OP_NAMES.get(op, op)} unit {u} ({n} elements)" for r, (u, op, n) in enumerate(rows)
+                f"rank {r}: {_op_name(op)} unit {u} ({n} elements)" for r, (u, op, n) in enumerate(rows)
             )
             raise RuntimeError(f"MatrixFSDP collective mismatch across the data-parallel group: {described}")
 
