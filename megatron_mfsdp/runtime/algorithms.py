@@ -19,7 +19,9 @@ of one over W ranks.
   to the reference with a rounding bound, never bitwise.
 
 A rank on a level's root must hold the data before the second level starts, so the first level's works
-are waited for in between (on NCCL a wait orders streams and does not block the host).
+are waited for in between (on NCCL a wait orders streams and does not block the host; on gloo it
+blocks, so the unit's signature check is verified first, once the first level is issued: ranks that
+disagree raise instead of hanging there).
 
 ``padded``: one all-gather of every rank's segment padded to the largest, or one reduce-scatter of the
 gradient packed as W such padded segments; summed in the backend's reduce-scatter order. Every rank
@@ -46,7 +48,7 @@ class LevelledCollectives:
     ``_buffer``, ``_charge`` and ``_grouped``)."""
 
     # ----------------------------------------------------------- two levels
-    def two_level_gather(self, layout: UnitLayout, full: torch.Tensor, tail, phase: str) -> list:
+    def two_level_gather(self, layout: UnitLayout, full: torch.Tensor, tail, phase: str, check=None) -> list:
         """Start the two-level gather into ``full`` (this rank's segment already in place; ``tail``:
         (output, this rank's slice, finish) of the tail's all-gather, or None); returns the works of
         the last level. Charged per level."""
@@ -67,6 +69,7 @@ class LevelledCollectives:
             first = self._grouped(lv.rail, rail_bcast, rail_parts, device)
             for root, lo, hi in rail_parts:
                 inter = add(inter, broadcast_link((hi - lo) * elsize, node, root, lv.nodes))
+        _verify(check)
         block = None
         if tail is not None:
             block, rail_link = self._rail_gather_tail(tail[1])
@@ -109,7 +112,7 @@ class LevelledCollectives:
 
         return [Then(work, into_rank_order)], slices_link(block.numel() * elsize, lv.per_node)
 
-    def two_level_reduce(self, layout: UnitLayout, packed: torch.Tensor, out_tail) -> list:
+    def two_level_reduce(self, layout: UnitLayout, packed: torch.Tensor, out_tail, check=None) -> list:
         """Start the two-level reduction of ``packed`` (in place: each owner's part ends summed on it;
         ``out_tail``: this rank's tail slice, or None); returns the works of the last level."""
         lv, elsize, device = self.levels, packed.element_size(), packed.device
@@ -128,6 +131,7 @@ class LevelledCollectives:
             first = self._grouped(lv.node, node_reduce, node_parts, device)
             for root, lo, hi in node_parts:
                 intra = add(intra, reduce_link((hi - lo) * elsize, local, root, lv.per_node))
+        _verify(check)
         block = None
         if out_tail is not None:
             block, node_link = self._node_reduce_tail(packed[layout.matrix_numel :], out_tail)
@@ -217,3 +221,9 @@ class Then:
 def _wait(works: list) -> None:
     for work in works:
         work.wait()
+
+
+def _verify(check) -> None:
+    """The unit's signature check (None: checks off), before this rank blocks on a first level."""
+    if check is not None:
+        check.verify()

@@ -263,7 +263,7 @@ class SegmentComm(LevelledCollectives):
         link, elsize, parts = (0, 0), segment.element_size(), owner_parts(layout)
         tail = self._tail_buffers(layout, full, segment[m1 - m0 :]) if layout.tail_numel else None
         if algorithm == TWO_LEVEL:
-            works = self.two_level_gather(layout, full, tail, phase)
+            works = self.two_level_gather(layout, full, tail, phase, check)
             return PendingGather(full, works, tail[2] if tail else None, check)
 
         def broadcast(lo, hi, owner):
@@ -348,7 +348,7 @@ class SegmentComm(LevelledCollectives):
         link, elsize, parts = (0, 0), packed.element_size(), owner_parts(layout)
         out_tail = self._buffer(route.slice, packed.dtype, packed.device) if layout.tail_numel else None
         if algorithm == TWO_LEVEL:
-            works = self.two_level_reduce(layout, packed, out_tail)
+            works = self.two_level_reduce(layout, packed, out_tail, check)
             return PendingReduce(lambda: self._reduced_segment(layout, packed, out_tail), works, check, replica)
 
         def reduce(lo, hi, owner):

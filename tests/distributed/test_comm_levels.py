@@ -7,7 +7,9 @@
   others sum in another order (two_level: each node's sum, then across nodes) and are held to the
   fp32 reference within twice the recursive-summation bound;
 - the bytes each rank's LinkCalls charge per level equal a hand computation for the adversarial unit
-  (every matrix on rank 1) at W = 4.
+  (every matrix on rank 1) at W = 4;
+- ranks that disagree on a unit (or an algorithm) raise in the signature check instead of hanging in a
+  level's blocking wait.
 """
 
 import pytest
@@ -148,3 +150,44 @@ def test_bytes_per_rank_per_level_at_w4_match_a_hand_computation(four):
 def test_every_algorithm_at_w8_as_four_nodes_of_two():
     names = ["spread"]
     check(run_workers(8, levels_worker, names), 8, names)
+
+
+def mismatch_worker(rank, world):
+    """Rank 1 gathers the unit under another index (the data moves alike: only the check can tell), with
+    each algorithm forced, then a matching reduction; and a bare signature whose algorithm differs."""
+    import dataclasses
+
+    import torch.distributed as dist
+
+    from megatron_mfsdp.node_levels import build_node_levels
+    from megatron_mfsdp.placement import GATHER, check_signature
+    from megatron_mfsdp.placement.verify import ALGORITHM_STRIDE
+    from megatron_mfsdp.runtime.comm import SegmentComm
+
+    levels = build_node_levels(dist.group.WORLD, 2)
+    layout = unit_layout(world, plans(world)["spread"], "odd")
+    errors = {}
+    for algorithm in ALGORITHMS[1:]:
+        comm = SegmentComm(shard=dist.group.WORLD, reduce_order="ring", levels=levels)
+        comm.choose({}, force=(algorithm, algorithm))
+        shifted = dataclasses.replace(layout, index=layout.index + (rank == 1))
+        try:
+            comm.start_gather(shifted, torch.zeros(layout.segment_numel(rank))).wait()
+        except RuntimeError as e:
+            errors[algorithm] = str(e)
+        reduced = comm.start_reduce(layout, comm.pack_grads(layout, {}, torch.float32, 1.0)).wait()
+        errors[algorithm + " then matching"] = bool(torch.equal(reduced, torch.zeros_like(reduced)))
+    try:
+        check_signature(dist.group.WORLD, 0, GATHER + ALGORITHM_STRIDE * (rank == 1), 10)
+    except RuntimeError as e:
+        errors["algorithm"] = str(e)
+    return errors
+
+
+def test_a_mismatched_unit_or_algorithm_raises_instead_of_hanging(four):
+    for errors in run_workers(4, mismatch_worker):
+        for algorithm in ALGORITHMS[1:]:
+            said = f"rank 1: gather (algorithm {ALGORITHMS.index(algorithm)}) unit 1"
+            assert "collective mismatch" in errors[algorithm] and said in errors[algorithm], errors[algorithm]
+            assert errors[algorithm + " then matching"]
+        assert "rank 1: gather (algorithm 1) unit 0" in errors["algorithm"]
