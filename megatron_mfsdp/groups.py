@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
+from .node_levels import build_node_levels
+
 
 def group_size(group) -> int:
     """Size of a group; 1 for None (a group that does not exist in this layout)."""
@@ -85,6 +87,10 @@ class ProcessGroups:
     expt_replica: object | None = None
     """Ranks of ``expt_dp`` holding the same expert segments in other shard groups (hybrid), else None."""
 
+    dense_levels: object | None = None
+    """The node layout of ``dp_shard`` (node_levels.NodeLevels: its node and rail groups), for owner
+    collectives in two levels; None: every rank on one node."""
+
     @property
     def dp_shard_size(self) -> int:
         return group_size(self.dp_shard)
@@ -126,7 +132,7 @@ class ProcessGroups:
         return group_rank(self.expt_dp)
 
     @classmethod
-    def from_parallel_state(cls, replicate_size: int = 1) -> ProcessGroups:
+    def from_parallel_state(cls, replicate_size: int = 1, ranks_per_node: int | None = None) -> ProcessGroups:
         """Collective on every rank: megatron's groups (``initialize_model_parallel`` must have
         run) plus the shard and replica groups of hybrid sharding. The expert groups are megatron-core
         0.16.1's (megatron/core/parallel_state.py: get_expert_model_parallel_group,
@@ -134,7 +140,8 @@ class ProcessGroups:
         get_expert_tensor_model_pipeline_parallel_group), which it builds for every layout. At EP above 1
         (where experts have a shard domain of their own) the expert-DP group is split the same way into
         gcd(``replicate_size``, expert DP) replicas: as many as the smaller group allows, so a run
-        replicated over DP is replicated over expert DP too."""
+        replicated over DP is replicated over expert DP too. With ``ranks_per_node`` the dense shard
+        group's node and rail groups are built too (node_levels.py)."""
         from megatron.core import parallel_state as ps
 
         dp = ps.get_data_parallel_group()
@@ -161,6 +168,7 @@ class ProcessGroups:
             tp_ep_pp=ps.get_expert_tensor_model_pipeline_parallel_group(),
             expt_dp_shard=expt_shard,
             expt_replica=expt_replica,
+            dense_levels=build_node_levels(shard, ranks_per_node) if ranks_per_node else None,
         )
 
     @classmethod

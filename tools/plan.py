@@ -150,7 +150,34 @@ def get_parser() -> argparse.ArgumentParser:
         help="with --traffic: the first N - 1 units of each domain's plan (dense: embedding units, then layers; "
         "expert: MoE layers) and the last; 0: all",
     )
+    g.add_argument(
+        "--traffic-algorithm",
+        type=algorithm_pair,
+        default=(None, None),
+        metavar="ALG[,ALG]",
+        help="with --traffic: force the owner collectives of every unit (gather[,reduce]): parts (a call per "
+        "owner part over all ranks), two_level (inside each node, then across nodes on rails) or padded (one "
+        "all-gather / reduce-scatter of padded segments); default parts (rank order keeps its chain unless forced)",
+    )
+    g.add_argument(
+        "--ranks-per-node",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="with --traffic: simulate nodes of N consecutive ranks of each shard group (two_level runs on them, "
+        "and bytes are shown per level); default one node",
+    )
     return p
+
+
+def algorithm_pair(text: str) -> tuple[str, str]:
+    """``ALG`` (both directions) or ``GATHER,REDUCE``: runtime/comm.py's algorithms."""
+    from megatron_mfsdp.runtime.comm import ALGORITHMS
+
+    names = text.split(",")
+    if len(names) not in (1, 2) or any(n not in ALGORITHMS for n in names):
+        raise argparse.ArgumentTypeError(f"{text!r}: give ALG or GATHER,REDUCE, each one of {', '.join(ALGORITHMS)}")
+    return names[0], names[-1]
 
 
 def validate(args) -> None:
@@ -352,7 +379,7 @@ def traffic(args, plan, domain: str = "dense") -> tuple[str, list]:
     (--mfsdp-reduce-order, auto: ring on NCCL)."""
     import torch
 
-    from megatron_mfsdp.runtime.at_scale import simulate
+    from megatron_mfsdp.runtime.at_scale import Collectives, simulate
     from megatron_mfsdp.runtime.comm import resolve_reduce_order
 
     n, count = args.traffic_units, len(plan.units)
@@ -360,8 +387,39 @@ def traffic(args, plan, domain: str = "dense") -> tuple[str, list]:
     order = resolve_reduce_order(args.mfsdp_reduce_order, "nccl")
     param = {2: torch.bfloat16, 4: torch.float32}[plan.element_size]
     grad = param if (args.bf16 or args.fp16) and args.grad_reduce_in_bf16 else torch.float32
-    rows = simulate(plan, units, param, grad, order)
-    return traffic_table(rows, plan.world_size, order, (param, grad), count, domain), rows
+    how = Collectives(force=tuple(args.traffic_algorithm), ranks_per_node=args.ranks_per_node)
+    rows = simulate(plan, units, param, grad, order, how)
+    table = traffic_table(rows, plan.world_size, order, (param, grad), count, domain)
+    if any(a is not None for a in how.force) or args.ranks_per_node:
+        table += "\n" + levels_table(rows, how)
+    return table, rows
+
+
+def levels_table(rows, how) -> str:
+    """Per unit and level (flat: calls over the whole shard group; intra: inside a node; inter: across
+    nodes), the busiest rank's bytes against ZeRO-3's bytes per rank, gather and reduction."""
+    gather, reduce = how.force[0] or "parts", how.force[1] or "parts"
+    lines = [
+        f"per level (algorithms: gather {gather}, reduce {reduce}; {how.ranks_per_node or 'all'} ranks per node): "
+        "the busiest rank's bytes on each level / ZeRO-3's bytes per rank"
+    ]
+    worst: dict = {}
+    for r in rows:
+        cells = []
+        for op, levels, zero3 in (
+            ("gather", r.gather_levels, r.zero3_gather),
+            ("reduce", r.reduce_levels, r.zero3_reduce),
+        ):
+            for level, moved in levels.items():
+                cells.append(f"{op} {level} {moved / zero3:.3f}")
+                worst[(op, level)] = max(worst.get((op, level), 0.0), moved / zero3)
+        lines.append(f"{r.name:>16} calls g/r {r.gather_calls}/{r.reduce_calls}: " + ", ".join(cells))
+    summary = " ".join(f"max_{op}_{level}_over_zero3={v:.3f}" for (op, level), v in sorted(worst.items()))
+    lines.append(
+        f"RESULT traffic levels gather={gather} reduce={reduce} ranks_per_node={how.ranks_per_node} {summary} "
+        f"max_calls_per_op={max(max(r.gather_calls, r.reduce_calls) for r in rows)}"
+    )
+    return "\n".join(lines)
 
 
 def traffic_table(rows, w: int, order: str, dtypes, count: int, domain: str = "dense") -> str:
@@ -390,7 +448,7 @@ def traffic_table(rows, w: int, order: str, dtypes, count: int, domain: str = "d
     lines.append(
         f"RESULT traffic {tag}dp={w} order={order} units={len(rows)} max_gather_over_zero3={gather:.3f} "
         f"max_reduce_over_zero3={reduce:.3f} max_calls_per_op={calls} max_transient_over_unit={transient:.4f} "
-        f"as_predicted={all(r.as_predicted for r in rows)}"
+        f"as_predicted={all(r.as_predicted is not False for r in rows)}"
     )
     return "\n".join(lines)
 

@@ -16,6 +16,12 @@ from .layout import Plan
 
 GATHER, REDUCE = 1, 2
 _OP_NAMES = {GATHER: "gather", REDUCE: "reduce"}
+ALGORITHM_STRIDE = 10  # a signature's op is GATHER or REDUCE + this x the algorithm's index (runtime/comm.py)
+
+
+def _op_name(op: int) -> str:
+    name = _OP_NAMES.get(op % ALGORITHM_STRIDE, str(op))
+    return f"{name} (algorithm {op // ALGORITHM_STRIDE})" if op >= ALGORITHM_STRIDE else name
 
 
 def verify_plan_agreement(plan: Plan, group) -> None:
@@ -54,8 +60,8 @@ class SignatureCheck:
             ranges = ", ".join(f"{what} {a} to {b}" for what, a, b in zip(("units", "ops", "sizes"), low, top))
             raise RuntimeError(
                 "MatrixFSDP collective mismatch across the data-parallel group: rank "
-                f"{self._rank}: {_OP_NAMES.get(op, op)} unit {u} ({n} elements); over the group {ranges} "
-                f"(ops: {', '.join(f'{k} {v}' for k, v in _OP_NAMES.items())})"
+                f"{self._rank}: {_op_name(op)} unit {u} ({n} elements); over the group {ranges} (an op is "
+                f"{', '.join(f'{k} {v}' for k, v in _OP_NAMES.items())}, + {ALGORITHM_STRIDE} x the algorithm)"
             )
 
 

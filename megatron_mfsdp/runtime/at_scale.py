@@ -20,10 +20,23 @@ import torch
 import torch.distributed as dist
 
 from ..groups import ProcessGroups
+from ..node_levels import new_levels
 from ..placement.layout import Plan, UnitLayout
 from .call_log import count_collectives
-from .comm import SegmentComm
-from .traffic import busiest, gather_links, owner_parts, reduce_links, zero3_bytes
+from .comm import PARTS, SegmentComm
+from .traffic import add, busiest, gather_links, owner_parts, per_level, reduce_links, zero3_bytes
+
+
+@dataclass(frozen=True)
+class Collectives:
+    """Which algorithms the simulated comm runs (SegmentComm.choose) on which node layout."""
+
+    algorithms: dict | None = None  # unit index -> (gather, reduce); None: parts
+    force: tuple = (None, None)  # (gather, reduce) for every unit, or None
+    ranks_per_node: int | None = None  # the simulated node size (None: one node)
+
+    def chosen(self, unit: int, reduce: bool) -> str:
+        return self.force[reduce] or (self.algorithms or {}).get(unit, (PARTS, PARTS))[reduce]
 
 
 @dataclass
@@ -42,18 +55,25 @@ class UnitScale:
     zero3_reduce: int  # ... reduce-scatter
     transient: int  # the largest buffer (bytes) any rank allocated for the unit (gathered weights, packed
     # gradient, staging), to hold against the unit's fp32 gradient
-    as_predicted: bool  # every rank's charges equal runtime/traffic.py's prediction
+    as_predicted: bool | None  # every rank's charges equal runtime/traffic.py's prediction (None: no
+    # prediction, an algorithm other than parts)
+    gather_levels: dict | None = None  # level (flat, intra, inter) -> the busiest rank's larger direction
+    reduce_levels: dict | None = None
 
 
-def _one_rank(plan: Plan, units: Sequence[int], rank: int, dtypes, order: str, routes: dict) -> dict:
-    """(calls, links, transient) per unit operation of ``rank``, on the fake backend."""
+def _one_rank(plan: Plan, units: Sequence[int], rank: int, dtypes, order: str, routes: dict, how: Collectives) -> dict:
+    """(calls, per-level links, transient) per unit operation of ``rank``, on the fake backend."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     param_dtype, grad_dtype = dtypes
     dist.init_process_group("fake", rank=rank, world_size=plan.world_size, store=FakeStore())
     try:
         groups = ProcessGroups(dp=dist.group.WORLD, dp_shard=dist.group.WORLD)
-        comm = SegmentComm(groups, verify=False, reduce_order=order)
+        levels = None
+        if how.ranks_per_node:
+            levels = new_levels([tuple(range(plan.world_size))], dist.group.WORLD, how.ranks_per_node)
+        comm = SegmentComm(groups, verify=False, reduce_order=order, levels=levels)
+        comm.choose(how.algorithms or {}, how.force)  # in rank order a per-unit reduce but parts raises
         comm.routes = routes  # the same for every rank: built once, not W times
         out = {}
         for i in units:
@@ -66,26 +86,43 @@ def _one_rank(plan: Plan, units: Sequence[int], rank: int, dtypes, order: str, r
             packed = comm.pack_grads(layout, {}, grad_dtype, 1.0)  # the runtime's own buffer, zeros
             with count_collectives() as reduce:
                 comm.start_reduce(layout, packed).wait()
-            links = [(e.bytes_in, e.bytes_out) for e in comm.log]
+            links = [per_level([e for e in comm.log if e.op == op]) for op in ("gather", "reduce")]
             out[i] = (len(gather), len(reduce), links, comm.transient)
         return out
     finally:
         dist.destroy_process_group()
 
 
-def simulate(plan: Plan, units: Sequence[int], param_dtype, grad_dtype, order: str) -> list[UnitScale]:
-    """Drive ``units`` of ``plan`` through every rank's SegmentComm ('rank' or 'ring' reduce order)."""
+def _total(levels: dict) -> tuple[int, int]:
+    total = (0, 0)
+    for link in levels.values():
+        total = add(total, link)
+    return total
+
+
+def _busiest_per_level(ranks: list[dict]) -> dict:
+    """Level -> the busiest rank's larger direction, over every rank's per-level links."""
+    return {level: busiest([r.get(level, (0, 0)) for r in ranks]) for level in sorted({k for r in ranks for k in r})}
+
+
+def simulate(
+    plan: Plan, units: Sequence[int], param_dtype, grad_dtype, order: str, how: Collectives | None = None
+) -> list[UnitScale]:
+    """Drive ``units`` of ``plan`` through every rank's SegmentComm ('rank' or 'ring' reduce order; ``how``:
+    the algorithms and the simulated node layout, default parts on one node)."""
     if dist.is_initialized():
         raise RuntimeError("simulate() starts fake process groups; call it where no process group exists")
-    w = plan.world_size
-    routes = {}
-    ranks = [_one_rank(plan, units, r, (param_dtype, grad_dtype), order, routes) for r in range(w)]
+    how = how or Collectives()
+    w, routes = plan.world_size, {}
+    ranks = [_one_rank(plan, units, r, (param_dtype, grad_dtype), order, routes, how) for r in range(w)]
     pe, ge = torch.empty(0, dtype=param_dtype).element_size(), torch.empty(0, dtype=grad_dtype).element_size()
     rows = []
     for i in units:
         layout = plan.units[i]
-        gathers, reduces = [r[i][2][0] for r in ranks], [r[i][2][1] for r in ranks]
-        predicted = gathers == gather_links(layout, pe) and reduces == reduce_links(layout, order, ge)
+        gathers, reduces = [_total(r[i][2][0]) for r in ranks], [_total(r[i][2][1]) for r in ranks]
+        predicted = None
+        if how.chosen(i, False) == PARTS and how.chosen(i, True) == PARTS:
+            predicted = gathers == gather_links(layout, pe) and reduces == reduce_links(layout, order, ge)
         rows.append(
             UnitScale(
                 i,
@@ -100,6 +137,8 @@ def simulate(plan: Plan, units: Sequence[int], param_dtype, grad_dtype, order: s
                 zero3_bytes(layout.numel, ge, w),
                 max(r[i][3] for r in ranks),
                 predicted,
+                _busiest_per_level([r[i][2][0] for r in ranks]),
+                _busiest_per_level([r[i][2][1] for r in ranks]),
             )
         )
     return rows

@@ -21,21 +21,29 @@ contiguous and the padded tail follows; no buffer is larger than a unit (plus th
 With checks on, each collective goes with a small signature all-gather (placement/verify.py),
 verified in ``wait()`` before the data is read. With hybrid sharding the reduced segment is then
 all-reduced over the replica group.
+
+That is the ``parts`` algorithm. ``two_level`` (inside each node, then across nodes on rails, with the
+node layout of node_levels.py) and ``padded`` (one all-gather / reduce-scatter of padded segments) are
+in runtime/algorithms.py. The algorithm is chosen per unit and direction (``choose``), ``parts`` by
+default; in ``rank`` order a unit's reduction stays the exact chain unless another is forced.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 import torch.distributed as dist
 
 from ..compat.collectives import all_gather_single, reduce_scatter_single
 from ..groups import ProcessGroups, group_rank, group_size
+from ..node_levels import NodeLevels, single_level
 from ..placement.layout import UnitLayout
-from ..placement.verify import GATHER, REDUCE, start_signature
+from ..placement.verify import ALGORITHM_STRIDE, GATHER, REDUCE, start_signature
+from .algorithms import LevelledCollectives, as_bytes
 from .chain import CHUNK_BYTES, Chain
 from .traffic import (
+    FLAT,
     GATHER_OP,
     REDUCE_OP,
     REPLICA_OP,
@@ -52,6 +60,8 @@ from .traffic import (
 
 PHASES = ("forward", "backward", "reduce", "other")
 REDUCE_ORDERS = ("auto", "rank", "ring")
+PARTS, TWO_LEVEL, PADDED = "parts", "two_level", "padded"
+ALGORITHMS = (PARTS, TWO_LEVEL, PADDED)
 
 
 def resolve_reduce_order(order: str, backend: str) -> str:
@@ -70,11 +80,6 @@ def param_runs_view(flat: torch.Tensor, runs: tuple[int, int, int, int]) -> torc
     count) name, as a (count, run) view: a range of it, or a Q, K or V block's rows of every group."""
     first, run, stride, count = runs
     return flat.as_strided((count, run), (stride, 1), flat.storage_offset() + first)
-
-
-def as_bytes(t: torch.Tensor) -> torch.Tensor:
-    """A flat uint8 view of a contiguous tensor of any dtype (what the gather moves)."""
-    return t.reshape(-1).view(torch.uint8)
 
 
 class PendingGather:
@@ -141,14 +146,16 @@ class _Route:
         ]
 
 
-class SegmentComm:
+class SegmentComm(LevelledCollectives):
     """Owner-segment collectives of one shard group (and its replica group).
 
-    ``traffic[phase]`` holds [bytes in, bytes out] of this rank, each call charged as NCCL's ring
-    algorithms move it (runtime/traffic.py); ``log``, when a list, gets a :class:`LinkCall` per
-    unit operation (tests and benchmarks set it). ``transient`` is the largest buffer (bytes) a
-    gather or reduction has allocated. The groups are ``groups``' dense pair (``dp_shard``,
-    ``replica``), or without ``groups`` a shard domain's ``shard`` and ``replica`` (runtime/domain.py)."""
+        ``traffic[phase]`` holds [bytes in, bytes out] of this rank, each call charged as NCCL's ring
+        algorithms move it (runtime/traffic.py); ``log``, when a list, gets a :class:`LinkCall` per
+        unit operation (tests and benchmarks set it). ``transient`` is the largest buffer (bytes) a
+        gather or reduction has allocated. The groups are ``groups``' dense pair (``dp_shard``,
+        ``replica``), or without ``groups`` a shard domain's ``shard`` and ``replica`` (runtime/domain.py).
+    ``levels``: the shard group's node layout (node_levels.py; default all on one node), which ``two_level``
+    runs on; ``algorithms``: unit index -> (gather, reduce) algorithm, see :meth:`choose`."""
 
     def __init__(
         self,
@@ -159,6 +166,8 @@ class SegmentComm:
         *,
         shard=None,
         replica=None,
+        levels: NodeLevels | None = None,
+        algorithms: Mapping[int, tuple[str, str]] | None = None,
     ):
         if groups is not None:
             shard, replica = groups.dp_shard, groups.replica
@@ -175,17 +184,41 @@ class SegmentComm:
         self.transient = 0
         self.chunk_bytes = CHUNK_BYTES  # of the rank-ordered chain's messages
         self.routes: dict[int, _Route] = {}  # per unit index; they depend on the layout alone, not the rank
+        self.levels = levels if levels is not None else single_level(shard)
+        if self.levels.world != self.world:
+            raise ValueError(f"node levels of {self.levels.world} ranks for a shard group of {self.world}")
+        self.algorithms: dict[int, tuple[str, str]] = {}
+        self.forced: tuple[str | None, str | None] = (None, None)
+        self.choose(algorithms or {})
+
+    def choose(self, algorithms: Mapping[int, tuple[str, str]], force: tuple[str | None, str | None] = (None, None)):
+        """Set the (gather, reduce) algorithm of each unit index (others: ``parts``), and ``force``
+        one for every unit (None: per unit), for tests and benchmarks. In ``rank`` order a per-unit
+        reduce other than ``parts`` raises: the exact chain is replaced only when forced."""
+        for name in [a for pair in algorithms.values() for a in pair] + [a for a in force if a is not None]:
+            if name not in ALGORITHMS:
+                raise ValueError(f"unknown collective algorithm {name!r}; choose one of {ALGORITHMS}")
+        if self.reduce_order == "rank" and any(r != PARTS for _, r in algorithms.values()):
+            raise ValueError(
+                "reduce order rank is the exact chain: a per-unit reduce algorithm other than parts needs "
+                "reduce order ring (or force it for every unit)"
+            )
+        self.algorithms, self.forced = dict(algorithms), tuple(force)
+
+    def algorithm(self, unit: int, reduce: bool) -> str:
+        """The algorithm of unit ``unit``'s gather (``reduce`` False) or reduction."""
+        return self.forced[reduce] or self.algorithms.get(unit, (PARTS, PARTS))[reduce]
 
     def route(self, layout: UnitLayout) -> _Route:
         if layout.index not in self.routes:
             self.routes[layout.index] = _Route(layout, self.world)
         return self.routes[layout.index]
 
-    def _charge(self, phase: str, unit: int, op: str, link: tuple[int, int]) -> None:
+    def _charge(self, phase: str, unit: int, op: str, link: tuple[int, int], level: str = FLAT) -> None:
         self.traffic[phase][0] += link[0]
         self.traffic[phase][1] += link[1]
         if self.log is not None:
-            self.log.append(LinkCall(phase, unit, op, *link))
+            self.log.append(LinkCall(phase, unit, op, *link, level))
 
     def _buffer(self, numel: int, dtype, device) -> torch.Tensor:
         t = torch.empty(numel, dtype=dtype, device=device)
@@ -193,34 +226,45 @@ class SegmentComm:
         return t
 
     def _owner_calls(self, call, parts, device) -> list:
-        """One call per owner part (a broadcast or a reduce: ``call(first, end, owner)``), as one NCCL
-        group with one work handle where the backend groups (torch's ``_coalescing_manager`` with a
-        device: each call goes to the backend inside one ncclGroupStart/End), one work each elsewhere.
-        The tail's all-gather or reduce-scatter follows outside the group: inside it, torch records
-        that call on its separate "fast path" and issues it as a coalesced call of its own at exit."""
+        """One call per owner part (a broadcast or a reduce: ``call(first, end, owner)``) over the shard
+        group, grouped as :meth:`_grouped` says."""
+        return self._grouped(self.group, lambda owner, lo, hi: call(lo, hi, owner), parts, device)
+
+    def _grouped(self, group, call, parts, device) -> list:
+        """``call(root, first, end)`` for each of ``parts`` over ``group``, as one NCCL group with one
+        work handle where the backend groups (torch's ``_coalescing_manager`` with a device: each call
+        goes to the backend inside one ncclGroupStart/End), one work each elsewhere. The tail's
+        all-gather or reduce-scatter follows outside the group: inside it, torch records that call on
+        its separate "fast path" and issues it as a coalesced call of its own at exit."""
         if not self.grouped:
-            return [call(lo, hi, owner) for owner, lo, hi in parts]
+            return [call(root, lo, hi) for root, lo, hi in parts]
         if not parts:
             return []
         device = torch.device("cpu") if device.type == "meta" else device  # shapes only: the fake backend's at scale
-        with dist._coalescing_manager(self.group, device, async_ops=True) as cm:
-            for owner, lo, hi in parts:
-                call(lo, hi, owner)
+        with dist._coalescing_manager(group, device, async_ops=True) as cm:
+            for root, lo, hi in parts:
+                call(root, lo, hi)
         return [w for w in cm.works if w is not None]
 
     # ----------------------------------------------------------------- gather
     def start_gather(self, layout: UnitLayout, segment: torch.Tensor, phase: str = "other") -> PendingGather:
         """Start filling the unit's whole flat buffer from every owner's segment (``layout`` in the
         segment's elements: a byte layout for FP8 units)."""
-        check = self._signature(layout, GATHER)
+        algorithm = self.algorithm(layout.index, False)
+        check = self._signature(layout, GATHER, algorithm)
         full = self._buffer(layout.numel, segment.dtype, segment.device)
         (m0, m1), (t0, t1) = layout.matrix_range(self.rank), layout.tail_range(self.rank)
         full[m0:m1].copy_(segment[: m1 - m0])
         if self.world == 1:
             full[t0:t1].copy_(segment[m1 - m0 :])
             return PendingGather(full, [])
+        if algorithm == PADDED:
+            return PendingGather(full, *self.padded_gather(layout, full, segment, phase), check)
         link, elsize, parts = (0, 0), segment.element_size(), owner_parts(layout)
         tail = self._tail_buffers(layout, full, segment[m1 - m0 :]) if layout.tail_numel else None
+        if algorithm == TWO_LEVEL:
+            works = self.two_level_gather(layout, full, tail, phase, check)
+            return PendingGather(full, works, tail[2] if tail else None, check)
 
         def broadcast(lo, hi, owner):
             return dist.broadcast(as_bytes(full[lo:hi]), group=self.group, group_src=owner, async_op=True)
@@ -254,9 +298,13 @@ class SegmentComm:
 
         return staging, mine, finish
 
-    def _signature(self, layout: UnitLayout, op: int):
-        """The unit's signature all-gather, started before its collective (None without checks)."""
-        return start_signature(self.group, layout.index, op, layout.numel, self.device) if self.verify else None
+    def _signature(self, layout: UnitLayout, op: int, algorithm: str = PARTS):
+        """The unit's signature all-gather, started before its collective (None without checks); the
+        algorithm is part of it, so ranks that chose differently raise instead of hanging."""
+        if not self.verify:
+            return None
+        op += ALGORITHM_STRIDE * ALGORITHMS.index(algorithm)
+        return start_signature(self.group, layout.index, op, layout.numel, self.device)
 
     # ----------------------------------------------------------------- reduce
     def pack_grads(self, layout: UnitLayout, grads: dict, dtype, scale: float) -> torch.Tensor:
@@ -287,14 +335,21 @@ class SegmentComm:
     def start_reduce(self, layout: UnitLayout, packed: torch.Tensor) -> PendingReduce:
         """Start summing ``packed`` (this rank's contribution from ``pack_grads``) over the group;
         ``wait()`` returns this rank's segment of the sum in fp32."""
-        check = self._signature(layout, REDUCE)
+        algorithm = self.algorithm(layout.index, True)
+        check = self._signature(layout, REDUCE, algorithm)
         route, replica = self.route(layout), self._replica_sum(layout)
         if self.world == 1:
             return PendingReduce(lambda: self._own_segment(layout, packed, route).float(), replica=replica)
-        if self.reduce_order == "rank":
+        if algorithm == PARTS and self.reduce_order == "rank":
             return self._chain_reduce(layout, packed, check, replica)
+        if algorithm == PADDED:
+            works, out = self.padded_reduce(layout, packed, route.slice)
+            return PendingReduce(lambda: out[: layout.segment_numel(self.rank)].float(), works, check, replica)
         link, elsize, parts = (0, 0), packed.element_size(), owner_parts(layout)
         out_tail = self._buffer(route.slice, packed.dtype, packed.device) if layout.tail_numel else None
+        if algorithm == TWO_LEVEL:
+            works = self.two_level_reduce(layout, packed, out_tail, check)
+            return PendingReduce(lambda: self._reduced_segment(layout, packed, out_tail), works, check, replica)
 
         def reduce(lo, hi, owner):
             return dist.reduce(packed[lo:hi], group=self.group, group_dst=owner, async_op=True)
@@ -308,13 +363,15 @@ class SegmentComm:
             link = add(link, slices_link(route.slice * elsize, self.world))
         self._charge("reduce", layout.index, REDUCE_OP, link)
 
-        def finish():
-            m0, m1 = layout.matrix_range(self.rank)
-            t = layout.tail_range(self.rank)
-            parts = [packed[m0:m1]] + ([out_tail[: t[1] - t[0]]] if out_tail is not None else [])
-            return torch.cat(parts).float()
+        return PendingReduce(lambda: self._reduced_segment(layout, packed, out_tail), works, check, replica)
 
-        return PendingReduce(finish, works, check, replica)
+    def _reduced_segment(self, layout: UnitLayout, packed: torch.Tensor, out_tail) -> torch.Tensor:
+        """This rank's segment of a finished reduction, in fp32: its parts summed in place in ``packed``,
+        its tail slice in ``out_tail``."""
+        m0, m1 = layout.matrix_range(self.rank)
+        t = layout.tail_range(self.rank)
+        parts = [packed[m0:m1]] + ([out_tail[: t[1] - t[0]]] if out_tail is not None else [])
+        return torch.cat(parts).float()
 
     def _own_segment(self, layout: UnitLayout, packed: torch.Tensor, route: _Route) -> torch.Tensor:
         m0, m1 = layout.matrix_range(self.rank)

@@ -28,6 +28,7 @@ from ..placement.layout import UnitLayout
 from .chain import chain_links
 
 GATHER_OP, REDUCE_OP, REPLICA_OP = "gather", "reduce", "replica"
+FLAT, INTRA, INTER = "flat", "intra", "inter"  # a call over the whole group, inside a node, across nodes (a rail)
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,15 @@ class LinkCall:
     op: str  # gather, reduce, replica (the all-reduce of hybrid sharding)
     bytes_in: int
     bytes_out: int
+    level: str = FLAT  # flat (the whole shard group), intra (inside a node) or inter (across nodes, on a rail)
+
+
+def per_level(calls: list[LinkCall]) -> dict[str, tuple[int, int]]:
+    """(bytes in, bytes out) of this rank summed per level over ``calls`` (levels without a call left out)."""
+    out: dict[str, tuple[int, int]] = {}
+    for c in calls:
+        out[c.level] = add(out.get(c.level, (0, 0)), (c.bytes_in, c.bytes_out))
+    return out
 
 
 def broadcast_link(nbytes: int, rank: int, root: int, world: int) -> tuple[int, int]:

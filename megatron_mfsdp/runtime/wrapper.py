@@ -205,6 +205,7 @@ class MatrixFSDP(torch.nn.Module):
             verify=self.ddp_config.verify_collectives,
             device=self.device,
             reduce_order=self.ddp_config.reduce_order,
+            levels=None if expert else self.groups.dense_levels,
         )
         domain.plan.element_size = torch.empty(0, dtype=self.param_dtype).element_size()
         return domain

@@ -189,7 +189,9 @@ def build_model_and_optimizer(args, vocab_size: int):
     config = transformer_config_from_args(args)
     mode = backend(args)
     replicate = args.mfsdp_replicate_size if mode == MATRIX_FSDP else args.data_parallel_size
-    groups = ProcessGroups.from_parallel_state(replicate if mode != MEGATRON_DDP else 1)
+    groups = ProcessGroups.from_parallel_state(
+        replicate if mode != MEGATRON_DDP else 1, args.mfsdp_ranks_per_node if mode != MEGATRON_DDP else None
+    )
     models = build_model_chunks(args, vocab_size, config, groups)
     if mode == MEGATRON_DDP:
         chunks, optimizer = _megatron_ddp(args, config, models)

@@ -418,6 +418,8 @@ def test_no_abbreviations(capsys):
         ),
         (["--tensor-model-parallel-size", "4"], "world size 2 is not divisible by --tensor-model-parallel-size 4"),
         (["--mfsdp-replicate-size", "3"], "--mfsdp-replicate-size 3 does not divide the data-parallel size 2"),
+        (["--mfsdp-ranks-per-node", "3"], "--mfsdp-ranks-per-node 3 does not divide the world size 2"),
+        (["--mfsdp-ranks-per-node", "0"], "argument --mfsdp-ranks-per-node: must be a positive integer"),
         (
             ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "2"],
             "--num-layers-per-virtual-pipeline-stage 2 needs",

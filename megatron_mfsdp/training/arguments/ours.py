@@ -176,6 +176,15 @@ def _add_placement_args(g) -> None:
         "expert-DP group gets gcd(R, expert DP) replicas",
     )
     g.add_argument(
+        "--mfsdp-ranks-per-node",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="ranks per node (a node is N consecutive global ranks), for owner collectives in two levels: "
+        "inside each node, then across nodes on rails. Must spread each DP shard group evenly over the nodes; "
+        "default: the launcher's (LOCAL_WORLD_SIZE), else every rank on one node",
+    )
+    g.add_argument(
         "--mfsdp-param-rule",
         action="append",
         default=[],

@@ -39,6 +39,24 @@ def validate_parallel(args) -> None:
     # Megatron-LM's orders (megatron/training/initialize.py at core_v0.16.1), the expert groups' too
     args.parallel_order = "tp-cp-ep-pp-dp" if args.use_tp_pp_dp_mapping else "tp-cp-ep-dp-pp"
     _validate_virtual_pipeline(args)
+    _validate_ranks_per_node(args)
+
+
+def _validate_ranks_per_node(args) -> None:
+    """--mfsdp-ranks-per-node (default: the launcher's LOCAL_WORLD_SIZE, else the world): whole nodes, and
+    every DP shard group spread evenly over them (node_levels.py builds its levels from that)."""
+    from ...node_levels import FLAG, node_layout
+
+    n = args.mfsdp_ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", args.world_size))
+    if args.world_size % n:
+        _fail(f"{FLAG} {n} does not divide the world size {args.world_size} (nodes hold whole ranks)")
+    tp, pp, dp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, args.data_parallel_size
+    stride = tp * pp if args.use_tp_pp_dp_mapping else tp  # megatron's DP stride in either order
+    shard = dp // args.mfsdp_replicate_size
+    for first in range(args.world_size):
+        if ((first // stride) % dp) % shard == 0:  # the first rank of a shard group
+            node_layout([first + k * stride for k in range(shard)], n)  # raises naming the flag
+    args.mfsdp_ranks_per_node = n
 
 
 def _validate_virtual_pipeline(args) -> None:
