@@ -10,7 +10,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch.distributed as dist
+
 from ..groups import group_rank, group_size
+from ..placement.collective_cost import MODE_ALGORITHM
+from ..placement.collectives import choose_collectives
 from ..placement.layout import Plan, UnitSpec
 from ..placement.planner import RankLoads, plan_units
 from ..placement.verify import verify_plan_agreement
@@ -78,6 +82,7 @@ def build_domain(
     averaged_over: int | None,
     tp=None,
     base: RankLoads | None = None,
+    param_bytes: int = 4,
     **comm_kwargs,
 ) -> ShardDomain:
     """Plan ``specs`` over ``shard`` and check that every rank of ``shard`` and of ``tp`` (a matrix's
@@ -85,10 +90,22 @@ def build_domain(
     another domain, which the owners balance against: placement/planner.py); then the
     domain's comm (``comm_kwargs``: SegmentComm's verify, device, reduce_order) and scaling:
     1 / ``averaged_over``, the data-parallel ranks the loss is averaged over (None: 1, a per-token
-    loss). Collective over those groups."""
+    loss). Each unit's owner-collective algorithms (placement/collectives.py, --mfsdp-collectives) are
+    chosen with the plan, for ``param_bytes`` per gathered element, and checked with it. Collective over
+    those groups."""
     world = group_size(shard)
     plan = plan_units(specs, world, ddp_config.planner, base)
+    comm = SegmentComm(shard=shard, replica=replica, **comm_kwargs)
+    backend = dist.get_backend(shard) if world > 1 else "none"
+    grad_bytes = 4 if ddp_config.grad_reduce_in_fp32 else param_bytes
+    plan.collectives = choose_collectives(
+        plan, comm.levels.per_node, backend, ddp_config.collectives, comm.reduce_order, param_bytes, grad_bytes
+    )
     for group in (shard, tp):
         verify_plan_agreement(plan, group)
-    comm = SegmentComm(shard=shard, replica=replica, **comm_kwargs)
+    forced = MODE_ALGORITHM.get(ddp_config.collectives)
+    if forced is None:
+        comm.choose(plan.collectives.choices())
+    else:  # forced: also in rank order, where a chosen mapping may not replace the exact chain
+        comm.choose({}, force=(forced, forced))
     return ShardDomain(name, shard, replica, tp, plan, comm, 1.0 / (averaged_over or 1))

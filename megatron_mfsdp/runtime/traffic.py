@@ -148,6 +148,48 @@ def reduce_links(layout: UnitLayout, order: str, grad_elsize: int) -> list[tuple
     return chain_links(owner_parts(layout), tail_geometry(layout), layout.world_size)
 
 
+def padded_links(layout: UnitLayout, elsize: int) -> list[tuple[int, int]]:
+    """(in, out) of every rank for the ``padded`` algorithm: one all-gather (reduce-scatter) of W
+    segments, each padded to the largest."""
+    w = layout.world_size
+    return [slices_link(max(map(layout.segment_numel, range(w))) * elsize, w)] * w
+
+
+def two_level_links(layout: UnitLayout, elsize: int, per_node: int, reduce: bool) -> list[tuple[int, int]]:
+    """(in, out) of every rank for the ``two_level`` algorithm (runtime/algorithms.py), both levels summed:
+    each owner part over the owner's rail (its local index's ranks, one a node) and inside every node,
+    and the tail's slices over every rail, then inside every node (a reduction: the mirror)."""
+    w = layout.world_size
+    nodes, link = w // per_node, reduce_link if reduce else broadcast_link
+    links = [(0, 0)] * w
+    for r in range(w):
+        node, local = divmod(r, per_node)
+        for owner, lo, hi in owner_parts(layout):
+            (o_node, o_local), n = divmod(owner, per_node), (hi - lo) * elsize
+            links[r] = add(links[r], link(n, local, o_local, per_node)) if per_node > 1 else links[r]
+            if nodes > 1 and local == o_local:
+                links[r] = add(links[r], link(n, node, o_node, nodes))
+        if layout.tail_numel:
+            s = tail_slice(layout) * elsize
+            links[r] = add(links[r], slices_link(s, nodes)) if nodes > 1 else links[r]
+            links[r] = add(links[r], slices_link(nodes * s, per_node)) if per_node > 1 else links[r]
+    return links
+
+
+def algorithm_links(
+    layout: UnitLayout, elsize: int, algorithm: str, per_node: int, reduce_order: str | None = None
+) -> list[tuple[int, int]]:
+    """(in, out) of every rank for one gather (``reduce_order`` None) or reduction by ``algorithm``
+    (runtime/comm.py's names: parts, two_level, padded)."""
+    if algorithm == "padded":
+        return padded_links(layout, elsize)
+    if algorithm == "two_level":
+        return two_level_links(layout, elsize, per_node, reduce_order is not None)
+    if reduce_order is None:
+        return gather_links(layout, elsize)
+    return reduce_links(layout, reduce_order, elsize)
+
+
 @dataclass(frozen=True)
 class UnitWire:
     """What the traffic figures need of one unit: its layout in elements, the layout the gather moves
@@ -158,6 +200,8 @@ class UnitWire:
     wire_elsize: int
     param_elsize: int
     trained_numel: int
+    algorithms: tuple[str, str] = ("parts", "parts")  # (gather, reduce): runtime/comm.py SegmentComm.algorithm
+    per_node: int = 1  # shard ranks per node, for two_level
 
 
 def iteration_links(units: list[UnitWire], num_micro: int, order: str, grad_elsize: int) -> dict[str, tuple[int, int]]:
@@ -169,12 +213,13 @@ def iteration_links(units: list[UnitWire], num_micro: int, order: str, grad_elsi
         w = u.layout.world_size
         if not u.layout.numel or w == 1:
             continue
-        gather = busiest(gather_links(u.wire, u.wire_elsize))
+        gather = busiest(algorithm_links(u.wire, u.wire_elsize, u.algorithms[0], u.per_node))
         phases["forward gather"][0] += gather
         phases["forward gather"][1] += zero3_bytes(u.layout.numel, u.param_elsize, w)
         if u.trained_numel:
             phases["backward gather"][0] += gather
             phases["backward gather"][1] += zero3_bytes(u.trained_numel, u.param_elsize, w)
-            phases["reduction"][0] += busiest(reduce_links(u.layout, order, grad_elsize))
+            reduce = algorithm_links(u.layout, grad_elsize, u.algorithms[1], u.per_node, order)
+            phases["reduction"][0] += busiest(reduce)
             phases["reduction"][1] += zero3_bytes(u.trained_numel, grad_elsize, w)
     return {phase: (num_micro * a, num_micro * b) for phase, (a, b) in phases.items()}

@@ -202,6 +202,7 @@ class MatrixFSDP(torch.nn.Module):
             averaged_over=None if per_token else self.groups.dp_shard_size * self.groups.replica_size,
             tp=self.groups.expt_tp if expert else self.groups.tp,
             base=self._dense_loads(shard) if expert else None,
+            param_bytes=torch.empty(0, dtype=self.param_dtype).element_size(),
             verify=self.ddp_config.verify_collectives,
             device=self.device,
             reduce_order=self.ddp_config.reduce_order,
@@ -513,6 +514,8 @@ class MatrixFSDP(torch.nn.Module):
                     s.param_segment.element_size(),
                     domain.plan.element_size,
                     sum(slot.numel for slot, p in s.params if p.requires_grad),
+                    (domain.comm.algorithm(s.layout.index, False), domain.comm.algorithm(s.layout.index, True)),
+                    domain.comm.levels.per_node,
                 )
                 for s in domain.units
             ]
