@@ -11,7 +11,7 @@ ours     gather, in forward and again in backward: one NCCL group of one pipelin
          counting as a matrix), rooted at its owner, plus one all_gather of the evenly split tail
          padded to ceil(T/W) per rank; bf16. Every rank sends and receives about U (W/(W-1) of
          ZeRO-3's). Latency: the k+1 ring latencies serialised (conservative: NCCL may overlap
-         the ops of one group), plus verify_collectives' 3-integer signature all-gather.
+         the ops of one group), plus verify_collectives' signature (a 48-byte MAX all-reduce on NCCL's tree).
          Reduction: the mirror (one ring reduce per owner part into its owner, one reduce_scatter
          of the padded tail), fp32. Step: owner-local Newton-Schulz and AdamW tail of the busiest
          rank, and one 2-scalar all-reduce.
@@ -97,6 +97,7 @@ from megatron_mfsdp.placement.collective_cost import (
     chain_time,
     fastest,
     slices_time,
+    tree_latency,
 )
 from megatron_mfsdp.placement.collective_cost import (
     ring_latency as cost_ring_latency,
@@ -133,7 +134,7 @@ RECON_GATHER_PREFETCHED = False  # stock FSDP2 Muon: one blocking all-gather per
 # The runtime's overlap on CUDA (MatrixFSDPConfig defaults; overlap_grad_reduce is on for CUDA).
 PREFETCH_DEPTH = 1  # MatrixFSDPConfig.prefetch_depth: units gathered ahead (forward) / behind (backward)
 MAX_REDUCES_IN_FLIGHT = 2  # MatrixFSDPConfig.max_reduces_in_flight
-VERIFY_COLLECTIVES = True  # MatrixFSDPConfig.verify_collectives: a 3-integer all-gather per unit operation (ours)
+VERIFY_COLLECTIVES = True  # MatrixFSDPConfig.verify_collectives: a 48-byte MAX all-reduce per unit operation (ours)
 EXACT_CHUNK_BYTES = CHUNK_BYTES  # runtime/chain.py: the rank-ordered chain's message size
 HYBRID_SHARD_RANKS = GPUS_PER_NODE  # assumed: --mfsdp-replicate-size chosen so a shard group has 8 DP ranks
 # Persistent bytes per owned element (docs/design.md "Memory per rank"): bf16 param 2 + fp32 grad 4
@@ -407,8 +408,9 @@ def all_to_all(hw: Hardware, group: int, send: float, recv: float) -> float:
 
 
 def verify_latency(hw: Hardware, group: int) -> float:
-    """verify_collectives: the 3-integer signature all-gather before each owner collective."""
-    return all_gather(hw, group, 12 * group) if VERIFY_COLLECTIVES else 0.0
+    """verify_collectives: the signature's 48-byte MAX all-reduce before each owner collective (NCCL's
+    tree: the cost model's tree_latency)."""
+    return tree_latency(costs_of(hw), topology(hw, group)) if VERIFY_COLLECTIVES else 0.0
 
 
 def owner_latency(hw: Hardware, group: int, u: UnitStats, algorithm: str = PARTS) -> float:

@@ -92,8 +92,8 @@ class MatrixFSDPConfig:
     algorithm's; the elements moved and where they land are the same."""
 
     verify_collectives: bool = True
-    """Before every owner collective, all-gather a 3-integer signature and raise on a mismatch
-    instead of hanging. Costs one tiny collective per unit operation."""
+    """Before every owner collective, MAX all-reduce a 3-integer signature and its negative and raise on a
+    mismatch instead of hanging. Costs one tiny collective per unit operation."""
 
     fp8: Fp8Config | None = None
     """FP8 parameters (--fp8-format with --fp8-param-gather): owners quantize their whole matrices

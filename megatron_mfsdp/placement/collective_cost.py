@@ -8,8 +8,10 @@ A unit's gather (its reduction mirrors it) can run as (per-rank bytes: runtime/t
   of about W hops each;
 - ``two_level``: each owner part broadcast over the owner's rail group (one rank per node, the
   owner among them), then inside every node: about W/n network hops plus n NVLink hops per part
-  instead of W network hops, for a second pass of the bytes over NVLink. The tail's all-gather
-  stays one flat ring (NCCL's ring already crosses the network only once per node);
+  instead of W network hops, for a second pass of the bytes over NVLink. The rails are separate
+  groups on separate NICs, so parts whose owners sit at different local indices cross the network
+  at once: the network stage costs the busiest rail's parts. The tail goes over every rail (its
+  slices), then inside every node (runtime/algorithms.py);
 - ``padded``: one all-gather (reduce-scatter) of every rank's segment padded to the largest: one
   ring latency, W x the largest segment in bytes. It wins for small units and small W.
 
@@ -19,7 +21,8 @@ all-gather takes W - 1 steps of which nodes - 1 are on the network, intra-node h
 when the ring spans nodes; a ring broadcast or reduce takes W steps at the network's hop latency
 once the communicator spans nodes). ``benchmarks/scaling_model.py`` charges its collectives with
 these same functions and constants. The signature check of each owner collective
-(placement/verify.py) is the same for every algorithm and is left out.
+(placement/verify.py, a 48-byte all-reduce: NCCL's tree, :func:`tree_latency`) is the same for every
+algorithm and is left out of the choice.
 
 With reduce order ``rank`` (gloo's default) the reduction is the exact rank-ordered chain; ``auto``
 keeps it (an exact sum is never replaced silently) and only a forced algorithm replaces it.
@@ -132,6 +135,15 @@ def ring_latency(c: CostConstants, t: Topology, steps: int) -> float:
     return c.call_s + c.base_s + (steps - network) * intra_hop + network * c.inter.hop_s
 
 
+def tree_latency(c: CostConstants, t: Topology) -> float:
+    """A small all-reduce on NCCL's tree (tuning.cc: 2 x (intra-node depth x NVLink hop + log2 nodes x
+    network hop)), as the owner-collective signature check runs."""
+    if t.world == 1:
+        return 0.0
+    depth = (t.local - 1) * c.intra.hop_s + math.ceil(math.log2(t.nodes)) * c.inter.hop_s
+    return c.call_s + c.base_s + 2 * depth
+
+
 def rooted_time(c: CostConstants, t: Topology, nbytes: float) -> float:
     """One pipelined ring broadcast (or reduce) of ``nbytes``: W steps at the hop latency of the
     level the ring crosses, and the bytes once through every rank."""
@@ -139,15 +151,6 @@ def rooted_time(c: CostConstants, t: Topology, nbytes: float) -> float:
         return 0.0
     level = t.level(c)
     return c.call_s + c.base_s + t.world * level.hop_s + nbytes / level.bus_bw
-
-
-def two_level_rooted_time(c: CostConstants, t: Topology, nbytes: float) -> float:
-    """A broadcast (reduce) in two calls: over the owner's rail group (one rank per node) on the
-    network, then inside each node on NVLink. On one node, or one rank per node, it is the flat ring."""
-    if t.nodes == 1 or t.local == 1:
-        return rooted_time(c, t, nbytes)
-    rails = 2 * (c.call_s + c.base_s) + t.nodes * c.inter.hop_s + nbytes / c.inter.bus_bw
-    return rails + t.local * c.intra.hop_s + nbytes / c.intra.bus_bw
 
 
 def slices_time(c: CostConstants, t: Topology, slice_bytes: float) -> float:
@@ -185,14 +188,17 @@ class UnitShape:
     tail_slice: int  # the largest tail slice (every slice is padded to it); 0 without a tail
     max_segment: int  # the largest rank segment (matrix part + tail slice)
     numel: int
+    owners: tuple[int, ...] = ()  # the group rank owning each part (empty: every part on its own rail)
 
     @classmethod
     def of(cls, layout: UnitLayout) -> UnitShape:
         w = layout.world_size
-        parts = tuple(hi - lo for lo, hi in map(layout.matrix_range, range(w)) if hi > lo)
+        ranges = [(r, *layout.matrix_range(r)) for r in range(w)]
+        parts = tuple((r, hi - lo) for r, lo, hi in ranges if hi > lo)
         b = layout.tail_bounds
         tail = max(b[r + 1] - b[r] for r in range(w)) if layout.tail_numel else 0
-        return cls(parts, tail, max(map(layout.segment_numel, range(w))), layout.numel)
+        sizes, owners = tuple(n for _, n in parts), tuple(r for r, _ in parts)
+        return cls(sizes, tail, max(map(layout.segment_numel, range(w))), layout.numel, owners)
 
 
 def algorithm_time(algorithm: str, u: UnitShape, t: Topology, elsize: int, c: CostConstants) -> float:
@@ -203,9 +209,27 @@ def algorithm_time(algorithm: str, u: UnitShape, t: Topology, elsize: int, c: Co
         return 0.0
     if algorithm == PADDED:
         return slices_time(c, t, u.max_segment * elsize)
-    rooted = two_level_rooted_time if algorithm == TWO_LEVEL else rooted_time
+    if algorithm == TWO_LEVEL and t.nodes > 1 and t.local > 1:
+        return two_level_time(u, t, elsize, c)
     tail = slices_time(c, t, u.tail_slice * elsize) if u.tail_slice else 0.0
-    return sum(rooted(c, t, n * elsize) for n in u.parts) + tail
+    return sum(rooted_time(c, t, n * elsize) for n in u.parts) + tail
+
+
+def two_level_time(u: UnitShape, t: Topology, elsize: int, c: CostConstants) -> float:
+    """The network stage (each rail its own owners' broadcasts, the rails at once: the busiest rail's;
+    the tail's slices over every rail), then the node stage (every part and the tail's node blocks
+    over NVLink); a reduction is the mirror, the same time."""
+    nodes, local = Topology(t.nodes, 1), Topology(t.local, t.local)  # a rail: one rank a node; a node
+    rails: dict[int, float] = {}
+    for i, n in enumerate(u.parts):
+        rail = u.owners[i] % t.per_node if u.owners else i
+        rails[rail] = rails.get(rail, 0.0) + rooted_time(c, nodes, n * elsize)
+    network = max(rails.values(), default=0.0)
+    node = sum(rooted_time(c, local, n * elsize) for n in u.parts)
+    if u.tail_slice:
+        network += slices_time(c, nodes, u.tail_slice * elsize)
+        node += slices_time(c, local, t.nodes * u.tail_slice * elsize)
+    return network + node
 
 
 def algorithm_times(u: UnitShape, t: Topology, elsize: int, c: CostConstants) -> tuple[float, ...]:

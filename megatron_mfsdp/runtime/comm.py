@@ -18,7 +18,7 @@ the owners split the unit (runtime/traffic.py has the per-rank bytes):
 On NCCL a unit's broadcasts (or reduces) go out as one group with one work handle, the tail's call
 right after it on the same stream. The gradient is packed in layout order, so each owner part is
 contiguous and the padded tail follows; no buffer is larger than a unit (plus the tail's padding).
-With checks on, each collective goes with a small signature all-gather (placement/verify.py),
+With checks on, each collective goes with a small signature all-reduce (placement/verify.py),
 verified in ``wait()`` before the data is read. With hybrid sharding the reduced segment is then
 all-reduced over the replica group.
 
@@ -299,7 +299,7 @@ class SegmentComm(LevelledCollectives):
         return staging, mine, finish
 
     def _signature(self, layout: UnitLayout, op: int, algorithm: str = PARTS):
-        """The unit's signature all-gather, started before its collective (None without checks); the
+        """The unit's signature all-reduce, started before its collective (None without checks); the
         algorithm is part of it, so ranks that chose differently raise instead of hanging."""
         if not self.verify:
             return None

@@ -59,23 +59,32 @@ def test_formulas_against_hand_computed_values_for_one_unit():
     (slices 3, 3, 2, 2); 2 bytes per element."""
     plan = _plan([[("a", (10, 100), 0), ("b", (30, 100), 2), ("n", (10,), -1)]], 4)
     u, t = UnitShape.of(plan.units[0]), Topology(4, 2)
-    assert (u.parts, u.tail_slice, u.max_segment, u.numel) == ((1000, 3000), 3, 3002, 4010)
+    assert (u.parts, u.tail_slice, u.max_segment, u.numel, u.owners) == ((1000, 3000), 3, 3002, 4010, (0, 2))
     tail = (1 + 2 + 2 * 1.0 + 3) + 3 * 3 * 2 / 10  # 2 intra steps at 0.5 x 2, 1 network step; 18 B at 10 B/s
     parts = (1 + 2 + 4 * 3 + 2000 / 10) + (1 + 2 + 4 * 3 + 6000 / 10) + tail  # W network hops per broadcast
-    rails_and_nodes = 2 * (1 + 2) + 2 * 3 + 2 * 0.5  # two calls, 2 nodes on the rails, 2 ranks inside a node
-    two_level = (rails_and_nodes + 2000 / 10 + 2000 / 100) + (rails_and_nodes + 6000 / 10 + 6000 / 100) + tail
+    # both owners at local index 0: one rail carries both parts (2 network hops each), then each node
+    # (2 NVLink hops each); the tail's 6-byte slices over the rail (1 step), then 12-byte node blocks
+    rail = (1 + 2 + 2 * 3 + 2000 / 10) + (1 + 2 + 2 * 3 + 6000 / 10) + (1 + 2 + 3 + 6 / 10)
+    node = (1 + 2 + 2 * 0.5 + 2000 / 100) + (1 + 2 + 2 * 0.5 + 6000 / 100) + (1 + 2 + 0.5 + 12 / 100)
+    two_level = rail + node
     padded = (1 + 2 + 2 * 1.0 + 3) + 3 * 3002 * 2 / 10  # one all-gather of 4 segments of the largest, 3002
     assert algorithm_times(u, t, 2, TOY) == pytest.approx((parts, two_level, padded), rel=1e-12)
-    assert (parts, two_level, padded) == pytest.approx((839.8, 915.8, 1809.2), rel=1e-12)
+    assert (parts, two_level, padded) == pytest.approx((839.8, 916.22, 1809.2), rel=1e-12)
     assert fastest(algorithm_times(u, t, 2, TOY)) == PARTS
     assert algorithm_time(PADDED, u, Topology(1, 1), 2, TOY) == 0.0  # one rank: nothing moves
+    # the second owner at local index 1 instead: the two rails run at once, the network stage is the busier
+    apart = UnitShape.of(_plan([[("a", (10, 100), 0), ("b", (30, 100), 3), ("n", (10,), -1)]], 4).units[0])
+    rails = max(1 + 2 + 2 * 3 + 2000 / 10, 1 + 2 + 2 * 3 + 6000 / 10) + (1 + 2 + 3 + 6 / 10)
+    assert algorithm_time(TWO_LEVEL, apart, t, 2, TOY) == pytest.approx(rails + node, rel=1e-12)
+    assert fastest(algorithm_times(apart, t, 2, TOY)) == TWO_LEVEL
 
 
 def test_choice_flips_padded_for_a_small_unit_at_small_w_and_two_level_for_a_large_one_at_large_w():
     small = _plan([_gpt_layer(64, (0, 1, 2, 3))], 8)
     choice = choose_collectives(small, 8, "nccl").units[0]
     assert (choice.gather, choice.reduce) == (PADDED, PADDED), choice
-    for world, per_node, expected in ((8, 8, PARTS), (64, 8, PARTS), (1024, 8, TWO_LEVEL), (1024, 1, PARTS)):
+    # four owners at four local indices: from 2 nodes on, their rails cross the network at once
+    for world, per_node, expected in ((8, 8, PARTS), (64, 8, TWO_LEVEL), (1024, 8, TWO_LEVEL), (1024, 1, PARTS)):
         large = _plan([_gpt_layer(4096, (0, 1, 2, 3))], world)
         choice = choose_collectives(large, per_node, "nccl").units[0]
         assert (choice.gather, choice.reduce) == (expected, expected), (world, per_node, choice)
@@ -125,10 +134,10 @@ def test_rank_order_keeps_the_exact_chain_unless_forced():
 
 
 def test_plan_table_prints_each_choice_with_its_predicted_time():
-    plan = _plan([_gpt_layer(64, (0, 1, 2, 3)), _gpt_layer(4096, (4, 5, 6, 7))], 1024)
+    plan = _plan([_gpt_layer(64, (0, 1, 2, 3)), _gpt_layer(4096, (4, 5, 6, 7))], 32)
     plan.collectives = choose_collectives(plan, 8, "nccl")
     report = plan.report()
-    assert "owner collectives (auto; W 1024, 8 ranks per node, nccl, reduce order ring)" in report
+    assert "owner collectives (auto; W 32, 8 ranks per node, nccl, reduce order ring)" in report
     assert "unit0" in report and "gather padded" in report and "gather two_level" in report
     many = _plan([_gpt_layer(64, (r % 8, 1, 2, 3)) for r in range(FULL_TABLE_MAX_UNITS + 1)], 8)
     many.collectives = choose_collectives(many, 8, "nccl")
