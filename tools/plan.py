@@ -157,7 +157,9 @@ def get_parser() -> argparse.ArgumentParser:
         metavar="ALG[,ALG]",
         help="with --traffic: force the owner collectives of every unit (gather[,reduce]): parts (a call per "
         "owner part over all ranks), two_level (inside each node, then across nodes on rails) or padded (one "
-        "all-gather / reduce-scatter of padded segments); default parts (rank order keeps its chain unless forced)",
+        "all-gather / reduce-scatter of padded segments); auto: each unit's choice by the cost model on NCCL "
+        "(--mfsdp-collectives auto; the choice table is printed); default parts (rank order keeps its chain "
+        "unless forced)",
     )
     g.add_argument(
         "--ranks-per-node",
@@ -174,6 +176,8 @@ def algorithm_pair(text: str) -> tuple[str, str]:
     """``ALG`` (both directions) or ``GATHER,REDUCE``: runtime/comm.py's algorithms."""
     from megatron_mfsdp.runtime.comm import ALGORITHMS
 
+    if text == "auto":
+        return "auto", "auto"
     names = text.split(",")
     if len(names) not in (1, 2) or any(n not in ALGORITHMS for n in names):
         raise argparse.ArgumentTypeError(f"{text!r}: give ALG or GATHER,REDUCE, each one of {', '.join(ALGORITHMS)}")
@@ -387,18 +391,34 @@ def traffic(args, plan, domain: str = "dense") -> tuple[str, list]:
     order = resolve_reduce_order(args.mfsdp_reduce_order, "nccl")
     param = {2: torch.bfloat16, 4: torch.float32}[plan.element_size]
     grad = param if (args.bf16 or args.fp16) and args.grad_reduce_in_bf16 else torch.float32
-    how = Collectives(force=tuple(args.traffic_algorithm), ranks_per_node=args.ranks_per_node)
+    how, chosen = Collectives(force=tuple(args.traffic_algorithm), ranks_per_node=args.ranks_per_node), ""
+    if how.force[0] == "auto":
+        how, chosen = by_cost(args, plan, order, param.itemsize, grad.itemsize)
     rows = simulate(plan, units, param, grad, order, how)
-    table = traffic_table(rows, plan.world_size, order, (param, grad), count, domain)
-    if any(a is not None for a in how.force) or args.ranks_per_node:
+    table = chosen + traffic_table(rows, plan.world_size, order, (param, grad), count, domain)
+    if any(a is not None for a in how.force) or args.ranks_per_node or chosen:
         table += "\n" + levels_table(rows, how)
     return table, rows
+
+
+def by_cost(args, plan, order: str, param_bytes: int, grad_bytes: int):
+    """(Collectives, the choice table) of --traffic-algorithm auto: the runtime's choice on NCCL
+    (placement/collectives.py, as build_domain makes it), with its predicted time per algorithm."""
+    from megatron_mfsdp.placement.collectives import choose_collectives
+    from megatron_mfsdp.runtime.at_scale import Collectives
+
+    per_node = args.ranks_per_node or plan.world_size
+    plan.collectives = choose_collectives(plan, per_node, "nccl", "auto", order, param_bytes, grad_bytes)
+    how = Collectives(algorithms=plan.collectives.choices(), ranks_per_node=args.ranks_per_node)
+    return how, plan.collectives.report() + "\n"
 
 
 def levels_table(rows, how) -> str:
     """Per unit and level (flat: calls over the whole shard group; intra: inside a node; inter: across
     nodes), the busiest rank's bytes against ZeRO-3's bytes per rank, gather and reduction."""
     gather, reduce = how.force[0] or "parts", how.force[1] or "parts"
+    if how.algorithms:  # by cost: each unit its own (the choice table above)
+        gather = reduce = "by-cost"
     lines = [
         f"per level (algorithms: gather {gather}, reduce {reduce}; {how.ranks_per_node or 'all'} ranks per node): "
         "the busiest rank's bytes on each level / ZeRO-3's bytes per rank"
@@ -413,7 +433,8 @@ def levels_table(rows, how) -> str:
             for level, moved in levels.items():
                 cells.append(f"{op} {level} {moved / zero3:.3f}")
                 worst[(op, level)] = max(worst.get((op, level), 0.0), moved / zero3)
-        lines.append(f"{r.name:>16} calls g/r {r.gather_calls}/{r.reduce_calls}: " + ", ".join(cells))
+        algorithms = "/".join(how.chosen(r.index, reduce) for reduce in (False, True))
+        lines.append(f"{r.name:>16} {algorithms:<20} calls g/r {r.gather_calls}/{r.reduce_calls}: " + ", ".join(cells))
     summary = " ".join(f"max_{op}_{level}_over_zero3={v:.3f}" for (op, level), v in sorted(worst.items()))
     lines.append(
         f"RESULT traffic levels gather={gather} reduce={reduce} ranks_per_node={how.ranks_per_node} {summary} "

@@ -24,7 +24,7 @@ from ..node_levels import new_levels
 from ..placement.layout import Plan, UnitLayout
 from .call_log import count_collectives
 from .comm import PARTS, SegmentComm
-from .traffic import add, busiest, gather_links, owner_parts, per_level, reduce_links, zero3_bytes
+from .traffic import add, algorithm_links, busiest, owner_parts, per_level, zero3_bytes
 
 
 @dataclass(frozen=True)
@@ -120,9 +120,11 @@ def simulate(
     for i in units:
         layout = plan.units[i]
         gathers, reduces = [_total(r[i][2][0]) for r in ranks], [_total(r[i][2][1]) for r in ranks]
-        predicted = None
-        if how.chosen(i, False) == PARTS and how.chosen(i, True) == PARTS:
-            predicted = gathers == gather_links(layout, pe) and reduces == reduce_links(layout, order, ge)
+        per_node = how.ranks_per_node or w
+        g, r = how.chosen(i, False), how.chosen(i, True)
+        predicted = gathers == algorithm_links(layout, pe, g, per_node) and reduces == algorithm_links(
+            layout, ge, r, per_node, order
+        )
         rows.append(
             UnitScale(
                 i,

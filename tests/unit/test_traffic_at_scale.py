@@ -150,7 +150,7 @@ def test_forced_algorithms_per_level_at_w64_in_nodes_of_8(algorithm):
     print(table)
     floor = 64 / 63
     for r in rows:
-        assert r.as_predicted is None, r  # no layout prediction for these: the comm's own charges are held here
+        assert r.as_predicted is True, r  # the comm's charges equal traffic.py's algorithm_links
         if algorithm == "two_level":
             assert set(r.gather_levels) == set(r.reduce_levels) == {"intra", "inter"}, r
             for level in ("intra", "inter"):
@@ -163,3 +163,28 @@ def test_forced_algorithms_per_level_at_w64_in_nodes_of_8(algorithm):
     assert layers and "RESULT traffic levels" in table
     if algorithm == "padded":
         assert all(r.gather_levels["flat"] > 5 * r.zero3_gather for r in layers)
+
+
+def test_by_cost_at_w64_in_nodes_of_8_takes_no_padded_layer_and_stays_at_zero3_per_level():
+    """--traffic-algorithm auto: the runtime's choice on NCCL (the cost model) for the same plan. No layer is
+    padded (its W x largest segment would cost 21x ZeRO-3's bytes); where a bandwidth-optimal algorithm is
+    chosen each level's busiest rank stays within 1.05x ZeRO-3's bytes per rank; the choice table prints
+    every algorithm's predicted time, and the comm moved what traffic.py predicts for each unit's choice."""
+    tool = _plan_tool()
+    argv = GPT.replace("--num-layers 128", "--num-layers 2").split() + ["--data-parallel-size", "64", "--traffic"]
+    argv += ["--traffic-units", "0", "--traffic-algorithm", "auto", "--ranks-per-node", "8"]
+    args = tool.parse(argv + ["--mfsdp-reduce-order", "ring"])
+    _, plan = tool.plan_from_args(args)
+    table, rows = tool.traffic(args, plan)
+    print(table)
+    assert "owner collectives (auto; W 64, 8 ranks per node, nccl" in table and "(times: parts / two_level" in table
+    choices = plan.collectives.choices()
+    for r in rows:
+        assert r.as_predicted is True, r
+        for op, levels, zero3 in (
+            ("gather", r.gather_levels, r.zero3_gather),
+            ("reduce", r.reduce_levels, r.zero3_reduce),
+        ):
+            if "padded" not in choices[r.index]:
+                assert all(moved <= 1.05 * zero3 for moved in levels.values()), (op, r)
+    assert all("padded" not in choices[r.index] for r in rows if r.parts)
