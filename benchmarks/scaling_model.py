@@ -371,10 +371,20 @@ def _add_tail_slot(ps: PlanStats, bounds: list[int], lo: int, numel: int) -> Non
 
 
 # ----------------------------------------------------------------------------- collectives
+FLAT_RING_NICS = 1
+"""NICs a flat ring spanning nodes drives per rank (--flat-ring-nics). 1 (the tables' default): every
+network-crossing ring at one NIC's bandwidth per GPU. NCCL's multi-channel rings can spread over a node's
+NICs (up to its DP ranks per node), while a rail group (one GPU a node) keeps its own NIC: with 8 the
+flat rings (ZeRO-3's, our parts) get 8x the network bandwidth and two_level's rails do not."""
+
+
 def costs_of(hw: Hardware) -> CostConstants:
     """The cost model's constants for this hardware (its host call, base latency and two levels)."""
-    intra, inter = Level(hw.intra.hop_s, hw.intra.bus_bw), Level(hw.inter.hop_s, hw.inter.bus_bw)
-    return CostConstants(hw.call_s, hw.base_lat_s, intra, inter, chain_chunk_bytes=EXACT_CHUNK_BYTES)
+    nics = min(FLAT_RING_NICS, hw.per_node)
+    intra, inter = Level(hw.intra.hop_s, hw.intra.bus_bw), Level(hw.inter.hop_s, hw.inter.bus_bw * nics)
+    return CostConstants(
+        hw.call_s, hw.base_lat_s, intra, inter, chain_chunk_bytes=EXACT_CHUNK_BYTES, rail_bus_bw=hw.inter.bus_bw
+    )
 
 
 def topology(hw: Hardware, group: int) -> Topology:
@@ -1106,10 +1116,20 @@ def plot(path: str, rows_by_model: dict) -> None:
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="short calibration, no validation run (CI)")
+    p.add_argument(
+        "--flat-ring-nics",
+        type=int,
+        default=1,
+        help="NICs a flat ring spanning nodes drives per GPU (NCCL's channels over a node's NICs); rails keep one",
+    )
     p.add_argument("--no-validate", dest="validate", action="store_false", help="skip bench_optimizer_step.py --quick")
     p.add_argument("--plot", default=os.path.join(ROOT, "runs", "scaling_model.png"), help="PNG output path")
     p.add_argument("--table", default=None, help="also write the tables and findings as markdown to this path")
     args = p.parse_args(argv)
+    global FLAT_RING_NICS
+    if args.flat_ring_nics < 1:
+        p.error(f"--flat-ring-nics must be at least 1, got {args.flat_ring_nics}")
+    FLAT_RING_NICS = args.flat_ring_nics
     print_assumptions()
     cal = calibrate(reps=3 if args.quick else 30)
     print_calibration(cal)

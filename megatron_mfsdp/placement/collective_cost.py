@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .layout import UnitLayout
 
@@ -88,6 +88,9 @@ class CostConstants:
     inter: Level  # between nodes (the rails)
     spanning_intra_factor: float = SPANNING_INTRA_HOP_FACTOR  # intra hops of a ring that spans nodes
     chain_chunk_bytes: int = CHAIN_CHUNK_BYTES
+    rail_bus_bw: float | None = None
+    """A rail group's bandwidth per rank (one GPU a node, so its own NIC); None: ``inter``'s. Set it below
+    ``inter.bus_bw`` where a flat ring's channels spread over a node's NICs (NCCL's multi-channel rings)."""
 
 
 NCCL_A100 = CostConstants(
@@ -220,6 +223,8 @@ def two_level_time(u: UnitShape, t: Topology, elsize: int, c: CostConstants) -> 
     the tail's slices over every rail), then the node stage (every part and the tail's node blocks
     over NVLink); a reduction is the mirror, the same time."""
     nodes, local = Topology(t.nodes, 1), Topology(t.local, t.local)  # a rail: one rank a node; a node
+    if c.rail_bus_bw is not None:
+        c = replace(c, inter=Level(c.inter.hop_s, c.rail_bus_bw))
     rails: dict[int, float] = {}
     for i, n in enumerate(u.parts):
         rail = u.owners[i] % t.per_node if u.owners else i
