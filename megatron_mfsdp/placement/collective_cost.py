@@ -48,9 +48,11 @@ MODE_ALGORITHM = {"parts": PARTS, "two-level": TWO_LEVEL, "padded": PADDED}
 GATHER_DIRECTION, REDUCE_DIRECTION = "gather", "reduce"
 CHAIN = "chain"  # how the table names a ``parts`` reduction run as the rank-ordered chain
 
-TIE_RTOL = 1e-9
-"""Predicted times closer than this (relative) count as equal, so the tie-break decides and
-float noise in the last bits cannot flip a choice."""
+CHOICE_MARGIN = 0.1
+"""A later algorithm replaces an earlier one (``parts`` first) only when predicted faster by more than
+this, relative: the constants are estimates, and a change of algorithm is not free to be wrong. On 4
+gloo ranks a padded gather the model called 3.5% faster measured 4% slower (benchmarks/bench_end_to_end.py);
+two_level's gains at scale are 2x and more."""
 
 # NCCL's latency model (NVIDIA/nccl src/graph/tuning.cc, ncclTopoTuneModel): ring/LL base latency
 # 3.6 us, hop latency 0.47 us over NVLink and 2.7 us over the network; intra-node hops count 1.8x
@@ -88,6 +90,9 @@ class CostConstants:
     inter: Level  # between nodes (the rails)
     spanning_intra_factor: float = SPANNING_INTRA_HOP_FACTOR  # intra hops of a ring that spans nodes
     chain_chunk_bytes: int = CHAIN_CHUNK_BYTES
+    duplex: bool = True
+    """Links carry both directions at once (NVLink, InfiniBand). False on gloo over loopback, where the
+    CPU copies every byte sent and every byte received: a call costs a rank's bytes in plus out."""
     rail_bus_bw: float | None = None
     """A rail group's bandwidth per rank (one GPU a node, so its own NIC); None: ``inter``'s. Set it below
     ``inter.bus_bw`` where a flat ring's channels spread over a node's NICs (NCCL's multi-channel rings)."""
@@ -96,7 +101,9 @@ class CostConstants:
 NCCL_A100 = CostConstants(
     GPU_CALL_OVERHEAD_S, NCCL_BASE_LAT_S, Level(NVLINK_HOP_S, NVLINK_BUS_BW), Level(NET_HOP_S, IB_BUS_BW)
 )
-GLOO_CPU = CostConstants(GLOO_CALL_S, 0.0, Level(GLOO_HOP_S, GLOO_BUS_BW), Level(GLOO_HOP_S, GLOO_BUS_BW), 1.0)
+GLOO_CPU = CostConstants(
+    GLOO_CALL_S, 0.0, Level(GLOO_HOP_S, GLOO_BUS_BW), Level(GLOO_HOP_S, GLOO_BUS_BW), 1.0, duplex=False
+)
 
 
 def constants_for(backend: str) -> CostConstants:
@@ -153,14 +160,16 @@ def rooted_time(c: CostConstants, t: Topology, nbytes: float) -> float:
     if t.world == 1:
         return 0.0
     level = t.level(c)
-    return c.call_s + c.base_s + t.world * level.hop_s + nbytes / level.bus_bw
+    copies = 1 if c.duplex or t.world == 2 else 2  # not duplex: a middle rank receives and forwards
+    return c.call_s + c.base_s + t.world * level.hop_s + copies * nbytes / level.bus_bw
 
 
 def slices_time(c: CostConstants, t: Topology, slice_bytes: float) -> float:
     """One ring all-gather (or reduce-scatter) of W slices of ``slice_bytes``: each rank moves W - 1."""
     if t.world == 1:
         return 0.0
-    return ring_latency(c, t, t.world - 1) + (t.world - 1) * slice_bytes / t.level(c).bus_bw
+    copies = 1 if c.duplex else 2  # not duplex: each rank's W - 1 slices out and W - 1 in
+    return ring_latency(c, t, t.world - 1) + copies * (t.world - 1) * slice_bytes / t.level(c).bus_bw
 
 
 def all_reduce_time(c: CostConstants, t: Topology, nbytes: float) -> float:
@@ -244,9 +253,9 @@ def algorithm_times(u: UnitShape, t: Topology, elsize: int, c: CostConstants) ->
 
 def fastest(times: Sequence[float]) -> str:
     """The algorithm of least predicted time (``times`` in ALGORITHMS order); a later one must be
-    faster by more than TIE_RTOL to win, so ties go to the earlier (``parts`` first)."""
+    faster by more than CHOICE_MARGIN to win, so near-ties go to the earlier (``parts`` first)."""
     best = 0
     for i in range(1, len(ALGORITHMS)):
-        if times[i] < times[best] * (1 - TIE_RTOL):
+        if times[i] < times[best] * (1 - CHOICE_MARGIN):
             best = i
     return ALGORITHMS[best]

@@ -96,14 +96,14 @@ def test_padded_only_where_the_model_says_it_is_faster(hidden, world, per_node):
     for unit in choose_collectives(plan, per_node, "nccl").units:
         for chosen, times in ((unit.gather, unit.gather_times), (unit.reduce, unit.reduce_times)):
             assert times[(PARTS, TWO_LEVEL, PADDED).index(chosen)] == min(times)
-            if chosen == PADDED:
-                assert times[2] < times[0] and times[2] < times[1]
+            if chosen == PADDED:  # by more than the margin, against both
+                assert times[2] < 0.9 * times[0] and times[2] < 0.9 * times[1]
 
 
 def test_ties_go_to_parts():
     assert fastest((1.0, 1.0, 1.0)) == PARTS
-    assert fastest((1.0, 1.0 - 1e-12, 2.0)) == PARTS  # within TIE_RTOL: float noise cannot flip a choice
-    assert fastest((1.0, 0.9, 0.9)) == TWO_LEVEL
+    assert fastest((1.0, 0.95, 2.0)) == PARTS  # within CHOICE_MARGIN: parts stays
+    assert fastest((1.0, 0.85, 0.85)) == TWO_LEVEL  # past it; the tie between the others goes to the earlier
     one_node = _plan([_gpt_layer(4096, (0, 1, 2, 3))], 8)  # two_level is the flat ring here: equal times
     unit = choose_collectives(one_node, 8, "nccl").units[0]
     assert unit.gather_times[0] == unit.gather_times[1] and unit.gather == PARTS
