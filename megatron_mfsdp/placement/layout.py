@@ -198,9 +198,10 @@ class Plan:
     def per_rank_load(self) -> tuple[list[int], list[int]]:
         """(owned elements, planner cost) per rank."""
         elements = [0] * self.world_size
-        for unit in self.units:
-            for r in range(self.world_size):
-                elements[r] += unit.segment_numel(r)
+        for unit in self.units:  # segment_numel per rank, from the bounds' differences in one pass
+            mb, tb = unit.matrix_bounds, unit.tail_bounds
+            for r, (m0, m1, t0, t1) in enumerate(zip(mb, mb[1:], tb, tb[1:])):
+                elements[r] += (m1 - m0) + (t1 - t0)
         return elements, list(self.cost_per_rank)
 
     def report(self) -> str:
