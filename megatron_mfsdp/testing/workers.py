@@ -151,11 +151,13 @@ class WorkerPool:
         ]
         for p in self.procs:
             p.start()
+        self.used = False  # ran a task since its groups were last released
 
     def alive(self) -> bool:
         return all(p.is_alive() for p in self.procs)
 
     def run(self, fn: Callable, fn_args: tuple, timeout: float) -> list:
+        self.used = True
         with tempfile.TemporaryDirectory() as out_dir:
             for q in self.tasks:
                 q.put((fn, fn_args, out_dir))
@@ -222,9 +224,12 @@ def release_pool_groups() -> None:
     module (starting ranks costs seconds each), and their idle gloo threads stop polling (what an
     idle pool costs: benchmarks/results/startup.md)."""
     for key, pool in list(_POOLS.items()):
+        if pool.alive() and not pool.used:
+            continue  # idle since its last release: nothing to destroy (a release costs 0.3 s a pool)
         if pool.alive():
             try:
                 pool.run(_release_groups, (), 120)
+                pool.used = False
                 continue
             except RuntimeError:
                 pass
