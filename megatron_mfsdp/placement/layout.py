@@ -137,6 +137,11 @@ class UnitLayout:
         (a, b), (c, d) = self.matrix_range(rank), self.tail_range(rank)
         return (b - a) + (d - c)
 
+    def segment_numels(self) -> list[int]:
+        """``segment_numel`` of every rank in one pass over the bounds (plans sum it over every unit)."""
+        mb, tb = self.matrix_bounds, self.tail_bounds
+        return [(m1 - m0) + (t1 - t0) for m0, m1, t0, t1 in zip(mb, mb[1:], tb, tb[1:])]
+
     def param_bounds(self, slot: ParamSlot) -> list[int]:
         """W+1 offsets into the flattened parameter: rank r's segment holds [b[r], b[r + 1]) of it
         (the whole of it on its owner for WHOLE storage, an even slice's overlap for the tail)."""
@@ -198,10 +203,9 @@ class Plan:
     def per_rank_load(self) -> tuple[list[int], list[int]]:
         """(owned elements, planner cost) per rank."""
         elements = [0] * self.world_size
-        for unit in self.units:  # segment_numel per rank, from the bounds' differences in one pass
-            mb, tb = unit.matrix_bounds, unit.tail_bounds
-            for r, (m0, m1, t0, t1) in enumerate(zip(mb, mb[1:], tb, tb[1:])):
-                elements[r] += (m1 - m0) + (t1 - t0)
+        for unit in self.units:
+            for r, n in enumerate(unit.segment_numels()):
+                elements[r] += n
         return elements, list(self.cost_per_rank)
 
     def report(self) -> str:

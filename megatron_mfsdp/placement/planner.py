@@ -56,12 +56,12 @@ def _assign_owners(
     order = sorted(matrices, key=lambda p: (-p.cost, -p.weight, p.name))
     per_cost, per_byte = max(total_cost, 1), max(total_bytes, 1)
     for p in order:
-        cost, weight = p.cost, p.weight  # hoisted: this loop runs W times per matrix (30 s at W = 1024)
+        cost, weight = p.cost, p.weight  # read once: the score below runs W times per matrix
         # min keeps the first (lowest) rank of equal scores
         r = min(range(world_size), key=lambda r: (cost_load[r] + cost) / per_cost + (bytes_load[r] + weight) / per_byte)
         owners[p.name] = r
-        cost_load[r] += p.cost
-        bytes_load[r] += p.weight
+        cost_load[r] += cost
+        bytes_load[r] += weight
     return owners
 
 
