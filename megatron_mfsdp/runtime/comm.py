@@ -83,10 +83,12 @@ def param_runs_view(flat: torch.Tensor, runs: tuple[int, int, int, int]) -> torc
 
 
 class PendingGather:
-    """A unit's full buffer being filled from every owner's segment."""
+    """A unit's full buffer being filled from every owner's segment. ``own``: (first, end) of this
+    rank's matrix part when it was left out of the buffer (``start_gather(own_views=True)``): its
+    elements are read from the segment instead; None when the buffer holds everything."""
 
-    def __init__(self, full: torch.Tensor, works: list, finish=None, check=None):
-        self.full, self._works, self._finish, self._check = full, works, finish, check
+    def __init__(self, full: torch.Tensor, works: list, finish=None, check=None, own=None):
+        self.full, self._works, self._finish, self._check, self.own = full, works, finish, check, own
 
     def wait(self) -> torch.Tensor:
         if self._check is not None:  # before the data: a mismatched collective raises, not hangs
@@ -101,23 +103,42 @@ class PendingGather:
 
 
 class PendingReduce:
-    """This rank's segment of a unit's gradient summed over the group, ready on ``wait()``."""
+    """This rank's segment of a unit's gradient summed over the group, ready on ``wait()``.
+    ``pieces``: where the finished sum lies (its matrix part, its tail slice, in segment order), for
+    :meth:`add_to` to add without first joining them (``finish`` joins them)."""
 
-    def __init__(self, finish, works=(), check=None, replica=None):
+    def __init__(self, finish, works=(), check=None, replica=None, pieces=None):
         self._finish, self._works, self._check, self._replica = finish, list(works), check, replica
+        self._pieces = pieces if replica is None else None  # a replica sum all-reduces the joined segment
         self._segment = None
 
-    def wait(self) -> torch.Tensor:
-        if self._segment is not None:
-            return self._segment
+    def _land(self) -> None:
         if self._check is not None:
             self._check.verify()
         for work in self._works:
             work.wait()
+        self._works = []
+
+    def add_to(self, target: torch.Tensor) -> None:
+        """``target += `` this rank's reduced segment (fp32 sums, as ``wait()``'s): piece by piece
+        where the pieces lie apart, which saves a copy of the segment per reduction."""
+        if self._pieces is None or self._segment is not None:
+            target.add_(self.wait())
+            return
+        self._land()
+        at = 0
+        for piece in self._pieces():
+            target[at : at + piece.numel()].add_(piece)
+            at += piece.numel()
+
+    def wait(self) -> torch.Tensor:
+        if self._segment is not None:
+            return self._segment
+        self._land()
         segment = self._finish()
         if self._replica is not None and segment.numel():
             self._replica(segment)
-        self._segment, self._works, self._finish = segment, [], None
+        self._segment, self._finish = segment, None
         return segment
 
 
@@ -247,17 +268,23 @@ class SegmentComm(LevelledCollectives):
         return [w for w in cm.works if w is not None]
 
     # ----------------------------------------------------------------- gather
-    def start_gather(self, layout: UnitLayout, segment: torch.Tensor, phase: str = "other") -> PendingGather:
+    def start_gather(
+        self, layout: UnitLayout, segment: torch.Tensor, phase: str = "other", own_views: bool = False
+    ) -> PendingGather:
         """Start filling the unit's whole flat buffer from every owner's segment (``layout`` in the
-        segment's elements: a byte layout for FP8 units)."""
+        segment's elements: a byte layout for FP8 units). ``own_views``: with ``parts``, leave this
+        rank's matrix part out of the buffer (its broadcast sends from the segment) for a caller that
+        views it in the segment: a copy of up to a whole unit saved per gather (``PendingGather.own``)."""
         algorithm = self.algorithm(layout.index, False)
         check = self._signature(layout, GATHER, algorithm)
         full = self._buffer(layout.numel, segment.dtype, segment.device)
         (m0, m1), (t0, t1) = layout.matrix_range(self.rank), layout.tail_range(self.rank)
-        full[m0:m1].copy_(segment[: m1 - m0])
+        own = (m0, m1) if own_views and algorithm == PARTS and m1 > m0 else None
+        if own is None:
+            full[m0:m1].copy_(segment[: m1 - m0])
         if self.world == 1:
             full[t0:t1].copy_(segment[m1 - m0 :])
-            return PendingGather(full, [])
+            return PendingGather(full, [], own=own)
         if algorithm == PADDED:
             return PendingGather(full, *self.padded_gather(layout, full, segment, phase), check)
         link, elsize, parts = (0, 0), segment.element_size(), owner_parts(layout)
@@ -267,7 +294,8 @@ class SegmentComm(LevelledCollectives):
             return PendingGather(full, works, tail[2] if tail else None, check)
 
         def broadcast(lo, hi, owner):
-            return dist.broadcast(as_bytes(full[lo:hi]), group=self.group, group_src=owner, async_op=True)
+            data = segment[: hi - lo] if owner == self.rank and own is not None else full[lo:hi]
+            return dist.broadcast(as_bytes(data), group=self.group, group_src=owner, async_op=True)
 
         works = self._owner_calls(broadcast, parts, segment.device)
         for owner, lo, hi in parts:
@@ -277,7 +305,7 @@ class SegmentComm(LevelledCollectives):
             works.append(all_gather_single(as_bytes(out), as_bytes(mine), group=self.group, async_op=True))
             link = add(link, slices_link(mine.numel() * elsize, self.world))
         self._charge(phase, layout.index, GATHER_OP, link)
-        return PendingGather(full, works, tail[2] if tail else None, check)
+        return PendingGather(full, works, tail[2] if tail else None, check, own)
 
     def _tail_buffers(self, layout: UnitLayout, full: torch.Tensor, own: torch.Tensor):
         """(output, this rank's input, finish) of the tail's all-gather: straight into the full buffer
@@ -339,7 +367,8 @@ class SegmentComm(LevelledCollectives):
         check = self._signature(layout, REDUCE, algorithm)
         route, replica = self.route(layout), self._replica_sum(layout)
         if self.world == 1:
-            return PendingReduce(lambda: self._own_segment(layout, packed, route).float(), replica=replica)
+            own = self._own_pieces(layout, packed, route)
+            return PendingReduce(lambda: torch.cat(own).float(), replica=replica, pieces=lambda: own)
         if algorithm == PARTS and self.reduce_order == "rank":
             return self._chain_reduce(layout, packed, check, replica)
         if algorithm == PADDED:
@@ -349,7 +378,7 @@ class SegmentComm(LevelledCollectives):
         out_tail = self._buffer(route.slice, packed.dtype, packed.device) if layout.tail_numel else None
         if algorithm == TWO_LEVEL:
             works = self.two_level_reduce(layout, packed, out_tail, check)
-            return PendingReduce(lambda: self._reduced_segment(layout, packed, out_tail), works, check, replica)
+            return self._pending_parts(layout, packed, out_tail, works, check, replica)
 
         def reduce(lo, hi, owner):
             return dist.reduce(packed[lo:hi], group=self.group, group_dst=owner, async_op=True)
@@ -363,21 +392,22 @@ class SegmentComm(LevelledCollectives):
             link = add(link, slices_link(route.slice * elsize, self.world))
         self._charge("reduce", layout.index, REDUCE_OP, link)
 
-        return PendingReduce(lambda: self._reduced_segment(layout, packed, out_tail), works, check, replica)
+        return self._pending_parts(layout, packed, out_tail, works, check, replica)
 
-    def _reduced_segment(self, layout: UnitLayout, packed: torch.Tensor, out_tail) -> torch.Tensor:
-        """This rank's segment of a finished reduction, in fp32: its parts summed in place in ``packed``,
-        its tail slice in ``out_tail``."""
+    def _pending_parts(self, layout: UnitLayout, packed: torch.Tensor, out_tail, works, check, replica):
+        """A reduction that sums this rank's matrix part in place in ``packed`` and its tail slice into
+        ``out_tail``: those two pieces, joined in fp32 by ``wait()``."""
         m0, m1 = layout.matrix_range(self.rank)
         t = layout.tail_range(self.rank)
-        parts = [packed[m0:m1]] + ([out_tail[: t[1] - t[0]]] if out_tail is not None else [])
-        return torch.cat(parts).float()
+        pieces = [packed[m0:m1]] + ([out_tail[: t[1] - t[0]]] if out_tail is not None else [])
+        return PendingReduce(lambda: torch.cat(pieces).float(), works, check, replica, lambda: pieces)
 
-    def _own_segment(self, layout: UnitLayout, packed: torch.Tensor, route: _Route) -> torch.Tensor:
+    def _own_pieces(self, layout: UnitLayout, packed: torch.Tensor, route: _Route) -> list[torch.Tensor]:
+        """One rank's whole segment of ``packed``: its matrix part and its tail slice."""
         m0, m1 = layout.matrix_range(self.rank)
         t = layout.tail_range(self.rank)
         lo = layout.matrix_numel + self.rank * route.slice
-        return torch.cat([packed[m0:m1], packed[lo : lo + t[1] - t[0]]])
+        return [packed[m0:m1], packed[lo : lo + t[1] - t[0]]]
 
     def _chain_reduce(self, layout: UnitLayout, packed: torch.Tensor, check, replica):
         """The rank-ordered chain (runtime/chain.py), run in ``wait()``: fp32 partial sums, this rank's

@@ -354,8 +354,12 @@ class MatrixFSDP(torch.nn.Module):
                 state.pending = self._start_gather(state, phase)
 
     def _start_gather(self, state: _UnitState, phase: str):
+        """In forward and backward this rank's own matrices are viewed in its segment, not copied into
+        the gathered buffer (elsewhere, e.g. ``materialized``, the buffer holds everything: what a
+        caller writes into the weights there never reaches the segment)."""
+        own_views = state.codec is None and phase in ("forward", "backward")
         with profile_range(GATHER.format(state.layout.name)):
-            return state.domain.comm.start_gather(state.wire, state.param_segment, phase)
+            return state.domain.comm.start_gather(state.wire, state.param_segment, phase, own_views)
 
     def _acquire(self, state: _UnitState, phase: str = "other") -> None:
         if state.full is not None:
@@ -370,14 +374,21 @@ class MatrixFSDP(torch.nn.Module):
             for slot, p in state.params:
                 p.data = values[slot.name]
             return
+
+        def elements(offset: int, numel: int) -> torch.Tensor:  # from the segment where this rank owns them
+            own = pending.own
+            if own is not None and own[0] <= offset and offset + numel <= own[1]:
+                return state.param_segment[offset - own[0] : offset - own[0] + numel]
+            return full[offset : offset + numel]
+
         for slot, p in state.params:
             if slot.param is None:
-                p.data = full[slot.offset : slot.offset + slot.numel].view(slot.shape)
+                p.data = elements(slot.offset, slot.numel).view(slot.shape)
         for name, slots in state.blocks.items():  # Q, K, V from their owners' parts: one copy
             merged = torch.empty(math.prod(state.shapes[name]), dtype=full.dtype, device=full.device)
             for s in slots:
                 view = param_runs_view(merged, s.runs())
-                view.copy_(full[s.offset : s.offset + s.numel].view(view.shape))
+                view.copy_(elements(s.offset, s.numel).view(view.shape))
             state.by_name[name].data = merged.view(state.shapes[name])
 
     def _release(self, state: _UnitState) -> None:
@@ -418,7 +429,7 @@ class MatrixFSDP(torch.nn.Module):
     def _complete_oldest_reduce(self) -> None:
         state, pending = self._in_flight.popleft()
         with profile_range(WAIT.format(state.layout.name)):
-            state.grad_segment.add_(pending.wait())
+            pending.add_to(state.grad_segment)
 
     def wait_for_reductions(self) -> None:
         """Land every reduction in flight in its owner's accumulator (before gradient segments are read)."""

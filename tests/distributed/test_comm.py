@@ -262,3 +262,66 @@ def test_start_up_line_predicts_the_busiest_rank_of_every_call_in_an_iteration()
     for tied in (True, False):  # the two orders differ only by rounding on the same gradients
         for a, b in zip(results[0][(tied, "rank")]["grads"], results[0][(tied, "ring")]["grads"]):
             assert torch.allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
+def _own_views_worker(rank, world):
+    import torch.distributed as dist
+
+    from megatron_mfsdp import MatrixFSDP, MatrixFSDPConfig
+    from megatron_mfsdp.groups import ProcessGroups
+    from megatron_mfsdp.runtime.comm import SegmentComm
+
+    groups = ProcessGroups(dp=dist.group.WORLD, dp_shard=dist.group.WORLD)
+    layout = _layout(world, _plans(world)["spread"], "odd")
+    full = torch.arange(layout.numel, dtype=torch.float32) * 0.25 + 1
+    segment = _segment_of(layout, rank, full)
+    out = {"own": {}, "added": {}}
+    for order in ("rank", "ring"):
+        comm = SegmentComm(groups, verify=False, reduce_order=order)
+        pending = comm.start_gather(layout, segment, "forward", own_views=True)
+        got = pending.wait().clone()
+        own = pending.own
+        if own is not None:  # the owner's part, read from its segment, completes the buffer
+            got[own[0] : own[1]] = segment[: own[1] - own[0]]
+        out["own"][order] = (own, torch.equal(got, full), comm.start_gather(layout, segment).own)
+        packed = comm.pack_grads(layout, _grads(layout, rank), torch.float32, 1.0 / world)
+        joined = comm.start_reduce(layout, packed.clone()).wait()
+        target = torch.full((layout.segment_numel(rank),), 0.5)
+        comm.start_reduce(layout, packed).add_to(target)
+        out["added"][order] = torch.equal(target, joined + 0.5)
+    # In a training forward, this rank's own matrices are views of its segment; the others' are not.
+    init_megatron()
+    config, model = tiny_gpt(num_layers=2)
+    ddp = MatrixFSDP(config, MatrixFSDPConfig(verify_collectives=False, collectives="parts"), model)
+    seen = {}
+
+    def record(state):  # (this rank owns the matrix, its weight lies in this rank's segment), per matrix
+        lo, hi = state.layout.matrix_range(rank)
+        storage = state.param_segment.untyped_storage()
+        for slot, p in state.params:
+            if slot.param is None and slot.offset < state.layout.matrix_numel:
+                at = p.data.data_ptr() - storage.data_ptr()
+                seen[(state.index, slot.name)] = (lo <= slot.offset < hi, 0 <= at < storage.nbytes())
+
+    for state in ddp.units:  # the last module's pre-hook runs with the unit gathered
+        state.unit.modules[-1].register_forward_pre_hook(lambda m, a, s=state: record(s))
+    lm_loss(ddp, micro_batch(1, 0, rank), 2).backward()
+    ddp.finish_grad_sync()
+    out["views"] = seen
+    return out
+
+
+def test_gather_views_own_matrices_in_the_segment_and_reductions_add_without_joining():
+    """The forward/backward gather leaves this rank's matrix part out of the buffer (its owner views
+    the segment: a copy of up to a unit saved per gather), bitwise the same weights; a reduction's
+    ``add_to`` adds its pieces straight into the accumulator, bitwise ``wait()``'s joined segment."""
+    world = 2
+    results = run_workers(world, _own_views_worker)
+    for rank, r in enumerate(results):
+        layout = _layout(world, _plans(world)["spread"], "odd")
+        for order, (own, complete, own_default) in r["own"].items():
+            assert own == layout.matrix_range(rank) and complete and own_default is None, (rank, order, own)
+            assert r["added"][order], (rank, order)
+        owned = [v for v in r["views"].values() if v[0]]
+        assert owned and all(in_seg == mine for mine, in_seg in r["views"].values()), (rank, r["views"])
+        assert len(owned) < len(r["views"]), "a rank owning every matrix would not test the others' side"
