@@ -10,8 +10,10 @@ ours     gather, in forward and again in backward: one NCCL group of one pipelin
          per non-empty owner part (k of them: the owners of the unit's matrices, a Q/K/V block
          counting as a matrix), rooted at its owner, plus one all_gather of the evenly split tail
          padded to ceil(T/W) per rank; bf16. Every rank sends and receives about U (W/(W-1) of
-         ZeRO-3's). Latency: the k+1 ring latencies serialised (conservative: NCCL may overlap
-         the ops of one group), plus verify_collectives' signature (a 48-byte MAX all-reduce on NCCL's tree).
+         ZeRO-3's). Latency: the k+1 ring latencies serialised (conservative: NCCL 2.22 splits one
+         group's collectives over its channels by traffic, and NCCL 2.29 runs a group of broadcasts
+         as one AllGatherV ring, src/scheduler/allgatherv_sched.cc; neither has run here), plus
+         verify_collectives' signature (a 48-byte MAX all-reduce on NCCL's tree).
          Reduction: the mirror (one ring reduce per owner part into its owner, one reduce_scatter
          of the padded tail), fp32. Step: owner-local Newton-Schulz and AdamW tail of the busiest
          rank, and one 2-scalar all-reduce.
