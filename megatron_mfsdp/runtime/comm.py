@@ -11,7 +11,9 @@ the owners split the unit (runtime/traffic.py has the per-rank bytes):
   plus one all-gather of the evenly split tail (each slice padded by at most one element), all as
   raw bytes, so any payload dtype travels (FP8 bytes and their fp32 scales included);
 - reduce, ``ring`` order (the default on NCCL): one ``reduce`` per owner part into its owner plus
-  one reduce-scatter of the padded tail, in the wire dtype, summed in NCCL's ring order;
+  one reduce-scatter of the padded tail, in the wire dtype, summed in NCCL's ring order; where the
+  gradients already are in the wire dtype and the 1/W scale is a power of two, one ``reduce`` per
+  whole matrix straight from its gradient, scaled by the owner as it lands (``start_reduce_grads``);
 - reduce, ``rank`` order (the default elsewhere, gloo included): a chain in rank order
   (runtime/chain.py), bitwise the single-process reference's sum, fp32 partial sums.
 
@@ -30,6 +32,8 @@ default; in ``rank`` order a unit's reduction stays the exact chain unless anoth
 
 from __future__ import annotations
 
+import bisect
+import math
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -104,8 +108,8 @@ class PendingGather:
 
 class PendingReduce:
     """This rank's segment of a unit's gradient summed over the group, ready on ``wait()``.
-    ``pieces``: where the finished sum lies (its matrix part, its tail slice, in segment order), for
-    :meth:`add_to` to add without first joining them (``finish`` joins them)."""
+    ``pieces``: where the finished sum lies, in segment order, each with the factor it still needs
+    (tensor, alpha), for :meth:`add_to` to add without first joining them (``finish`` joins them)."""
 
     def __init__(self, finish, works=(), check=None, replica=None, pieces=None):
         self._finish, self._works, self._check, self._replica = finish, list(works), check, replica
@@ -127,8 +131,8 @@ class PendingReduce:
             return
         self._land()
         at = 0
-        for piece in self._pieces():
-            target[at : at + piece.numel()].add_(piece)
+        for piece, alpha in self._pieces():
+            target[at : at + piece.numel()].add_(piece, alpha=alpha)
             at += piece.numel()
 
     def wait(self) -> torch.Tensor:
@@ -335,22 +339,24 @@ class SegmentComm(LevelledCollectives):
         return start_signature(self.group, layout.index, op, layout.numel, self.device)
 
     # ----------------------------------------------------------------- reduce
-    def pack_grads(self, layout: UnitLayout, grads: dict, dtype, scale: float) -> torch.Tensor:
+    def pack_grads(self, layout: UnitLayout, grads: dict, dtype, scale: float, first: int = 0) -> torch.Tensor:
         """This rank's contribution to the unit's gradient, scaled, in layout order with the tail
-        slices padded (``_Route``); a parameter without a gradient contributes zeros. The scale is
-        applied as each gradient is copied when dtypes match (one pass instead of copy, then scale;
-        the same products), and only uncovered elements are zeroed."""
+        slices padded (``_Route``), from element ``first`` of that order on; a parameter without a
+        gradient contributes zeros. The scale is applied as each gradient is copied when dtypes match
+        (one pass instead of copy, then scale; the same products), and only uncovered elements are zeroed."""
         route = self.route(layout)
-        complete = route.covers_all and all(grads.get(name) is not None for name, *_ in route.copies)
-        out = self._buffer(route.numel, dtype, self.device)
+        copies = [c for c in route.copies if c[3] >= first]
+        complete = route.covers_all and all(grads.get(name) is not None for name, *_ in copies)
+        out = self._buffer(route.numel - first, dtype, self.device)
         if not complete:
             out.zero_()
         for lo, hi in route.padding if complete else ():
-            out[lo:hi].zero_()
-        for name, runs, numel, at in route.copies:
+            out[lo - first : hi - first].zero_()
+        for name, runs, numel, at in copies:
             grad = grads.get(name)
             if grad is None:
                 continue
+            at -= first
             src, dst = param_runs_view(grad.reshape(-1), runs), out[at : at + numel].view(runs[3], runs[1])
             if scale == 1.0:
                 dst.copy_(src)
@@ -360,6 +366,58 @@ class SegmentComm(LevelledCollectives):
                 dst.copy_(src).mul_(scale)
         return out
 
+    def start_reduce_grads(self, layout: UnitLayout, grads: dict, dtype, scale: float, direct: bool = True):
+        """``start_reduce(layout, pack_grads(...))``, or, with ``parts`` in ring order and a power-of-two
+        ``scale`` (the 1/W average at W = 2, 4, 8, ...), each whole matrix's gradient reduced where it
+        lies, unscaled, and only the tail packed: a copy of the unit's gradient saved per reduction. The
+        owner scales its sums as they land (:meth:`PendingReduce.add_to`). Scaling by a power of two is
+        exact, so only the ring's order of summation can differ from the packed reduction's (at W = 2
+        nothing does). ``direct`` False: the gradients are views of a buffer freed right after (MainGrads)."""
+        matrices = self._direct_matrices(layout, grads, dtype, scale) if direct else None
+        if matrices is None:
+            return self.start_reduce(layout, self.pack_grads(layout, grads, dtype, scale))
+        check = self._signature(layout, REDUCE, PARTS)
+        by_first = {lo: g for _, lo, _, g in matrices}
+
+        def reduce(owner, lo, hi):
+            return dist.reduce(by_first[lo], group=self.group, group_dst=owner, async_op=True)
+
+        device = matrices[0][3].device
+        works = self._grouped(self.group, reduce, [(owner, lo, hi) for owner, lo, hi, _ in matrices], device)
+        link, elsize, m = (0, 0), matrices[0][3].element_size(), layout.matrix_numel
+        for owner, lo, hi in owner_parts(layout):
+            link = add(link, reduce_link((hi - lo) * elsize, self.rank, owner, self.world))
+        pieces = [(g, scale) for owner, _, _, g in matrices if owner == self.rank]
+        if layout.tail_numel:
+            route = self.route(layout)
+            tail, out_tail = self.pack_grads(layout, grads, dtype, scale, m), self._buffer(route.slice, dtype, device)
+            works.append(reduce_scatter_single(out_tail, tail, group=self.group, async_op=True))
+            link = add(link, slices_link(route.slice * elsize, self.world))
+            t0, t1 = layout.tail_range(self.rank)
+            pieces.append((out_tail[: t1 - t0], 1.0))
+        self._charge("reduce", layout.index, REDUCE_OP, link)
+        return PendingReduce(lambda: _joined(pieces), works, check, None, lambda: pieces)
+
+    def _direct_matrices(self, layout: UnitLayout, grads: dict, dtype, scale: float):
+        """(owner, first, end, flat gradient) of each matrix, in layout order, where
+        :meth:`start_reduce_grads` may reduce them unpacked; else None."""
+        if self.world == 1 or self.replica is not None or self.reduce_order != "ring" or not layout.matrix_numel:
+            return None
+        if self.algorithm(layout.index, True) != PARTS or scale <= 0 or math.frexp(scale)[0] != 0.5:
+            return None
+        out = []
+        for slot in sorted(layout.slots, key=lambda s: s.offset):
+            if slot.offset >= layout.matrix_numel:
+                continue
+            g = grads.get(slot.param_name)
+            if slot.param is not None or g is None or g.dtype != dtype or g.numel() != slot.numel:
+                return None  # a Q/K/V block, a missing gradient or another dtype: packed
+            if not g.is_contiguous():
+                return None
+            owner = bisect.bisect_right(layout.matrix_bounds, slot.offset) - 1
+            out.append((owner, slot.offset, slot.offset + slot.numel, g.view(-1)))
+        return out
+
     def start_reduce(self, layout: UnitLayout, packed: torch.Tensor) -> PendingReduce:
         """Start summing ``packed`` (this rank's contribution from ``pack_grads``) over the group;
         ``wait()`` returns this rank's segment of the sum in fp32."""
@@ -367,8 +425,8 @@ class SegmentComm(LevelledCollectives):
         check = self._signature(layout, REDUCE, algorithm)
         route, replica = self.route(layout), self._replica_sum(layout)
         if self.world == 1:
-            own = self._own_pieces(layout, packed, route)
-            return PendingReduce(lambda: torch.cat(own).float(), replica=replica, pieces=lambda: own)
+            own = [(piece, 1.0) for piece in self._own_pieces(layout, packed, route)]
+            return PendingReduce(lambda: _joined(own), replica=replica, pieces=lambda: own)
         if algorithm == PARTS and self.reduce_order == "rank":
             return self._chain_reduce(layout, packed, check, replica)
         if algorithm == PADDED:
@@ -400,7 +458,8 @@ class SegmentComm(LevelledCollectives):
         m0, m1 = layout.matrix_range(self.rank)
         t = layout.tail_range(self.rank)
         pieces = [packed[m0:m1]] + ([out_tail[: t[1] - t[0]]] if out_tail is not None else [])
-        return PendingReduce(lambda: torch.cat(pieces).float(), works, check, replica, lambda: pieces)
+        pieces = [(piece, 1.0) for piece in pieces]
+        return PendingReduce(lambda: _joined(pieces), works, check, replica, lambda: pieces)
 
     def _own_pieces(self, layout: UnitLayout, packed: torch.Tensor, route: _Route) -> list[torch.Tensor]:
         """One rank's whole segment of ``packed``: its matrix part and its tail slice."""
@@ -438,6 +497,11 @@ class SegmentComm(LevelledCollectives):
             self._charge("reduce", layout.index, REPLICA_OP, all_reduce_link(segment.numel() * 4, world))
 
         return replica
+
+
+def _joined(pieces) -> torch.Tensor:
+    """A reduction's pieces (tensor, alpha) joined into one fp32 segment."""
+    return torch.cat([piece.float() if alpha == 1.0 else piece.float() * alpha for piece, alpha in pieces])
 
 
 def all_reduce_flat(tensors: Sequence[torch.Tensor], group) -> None:

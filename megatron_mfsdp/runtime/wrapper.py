@@ -409,14 +409,15 @@ class MatrixFSDP(torch.nn.Module):
             sp = [grads[n] for n, p in state.tensors if n in grads and getattr(p, "sequence_parallel", False)]
             all_reduce_flat(sp, self.groups.tp)
         domain = state.domain
-        packed = domain.comm.pack_grads(layout, grads, state.grad_dtype, domain.gradient_scaling_factor)
+        with profile_range(REDUCE.format(layout.name)):
+            direct = state.main_grads is None  # MainGrads' buffer is freed below: pack from it first
+            scale = domain.gradient_scaling_factor
+            pending = domain.comm.start_reduce_grads(layout, grads, state.grad_dtype, scale, direct)
         for _, p in state.tensors:
             p.grad = None
         if state.main_grads is not None:
             state.main_grads.free()
         overlap = self.ddp_config.overlap_grad_reduce
-        with profile_range(REDUCE.format(layout.name)):
-            pending = domain.comm.start_reduce(layout, packed)
         state.grads_seen = set()
         state.held_for_backward = False
         self._release(state)

@@ -325,3 +325,65 @@ def test_gather_views_own_matrices_in_the_segment_and_reductions_add_without_joi
         owned = [v for v in r["views"].values() if v[0]]
         assert owned and all(in_seg == mine for mine, in_seg in r["views"].values()), (rank, r["views"])
         assert len(owned) < len(r["views"]), "a rank owning every matrix would not test the others' side"
+
+
+def _direct_reduce_worker(rank, world):
+    import torch.distributed as dist
+
+    from megatron_mfsdp.groups import ProcessGroups
+    from megatron_mfsdp.runtime.comm import SegmentComm
+
+    groups = ProcessGroups(dp=dist.group.WORLD, dp_shard=dist.group.WORLD)
+    out = {}
+    for plan, owners in _plans(world).items():
+        layout = _layout(world, owners, "odd")
+        for scale in (1.0 / world, 1.0 / 3):  # a power of two reduces in place; 1/3 packs
+            comm = SegmentComm(groups, verify=False, reduce_order="ring")
+            packed = comm.start_reduce(layout, comm.pack_grads(layout, _grads(layout, rank), torch.float32, scale))
+            want = packed.wait().clone()
+            comm.transient = 0
+            grads = _grads(layout, rank)
+            got, calls, log = _op(
+                comm, lambda c=comm, lay=layout, g=grads, s=scale: c.start_reduce_grads(lay, g, torch.float32, s)
+            )
+            log = list(log)  # the add_to run below logs too
+            target = torch.full_like(want, 0.25)
+            comm.start_reduce_grads(layout, _grads(layout, rank), torch.float32, scale).add_to(target)
+            out[(plan, scale)] = {
+                "want": want,
+                "got": got,
+                "added": target,
+                "calls": [c.name for c in calls],
+                "log": [(e.op, e.bytes_in, e.bytes_out) for e in log],
+                "transient": comm.transient,
+            }
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_ring_reduction_reduces_whole_matrices_where_they_lie_at_a_power_of_two_scale(world):
+    """With a power-of-two scale each matrix's gradient is reduced unpacked (one reduce per matrix, no
+    buffer of the unit) and its sum scaled on landing: at W = 2 bitwise the packed reduction, above
+    within the bound of a sum in another order; the bytes charged are the packed reduction's. At
+    scale 1/3 (not exact) it packs as before."""
+    from megatron_mfsdp.runtime.traffic import owner_parts, reduce_links
+
+    results = run_workers(world, _direct_reduce_worker)
+    for rank, r in enumerate(results):
+        for (plan, scale), rec in r.items():
+            layout = _layout(world, _plans(world)[plan], "odd")
+            total, rows = _reference(layout, world, torch.float32)
+            bound = _segment_of(layout, rank, torch.stack([x.abs() for x in rows]).sum(0) * 2 * (world - 1) * 2.0**-24)
+            unit_bytes = 4 * layout.numel
+            assert rec["log"] == [("reduce", *reduce_links(layout, "ring", 4)[rank])], (plan, scale)
+            if scale == 1.0 / world:
+                assert rec["calls"] == ["reduce"] * len(MATRICES) + ["reduce_scatter_single"], rec["calls"]
+                assert rec["transient"] < unit_bytes / 4, (plan, rec["transient"])  # the tail's buffers only
+                for got, want in ((rec["got"], rec["want"]), (rec["added"], rec["want"] + 0.25)):
+                    if world == 2:
+                        assert torch.equal(got, want), (plan, rank)
+                    else:
+                        assert (got - want).abs().le(2 * bound + 2.0**-24).all(), (plan, rank)
+            else:
+                assert rec["calls"] == ["reduce"] * len(owner_parts(layout)) + ["reduce_scatter_single"]
+                assert rec["transient"] >= unit_bytes and torch.equal(rec["got"], rec["want"]), (plan, rank)
