@@ -109,10 +109,12 @@ class PendingGather:
 class PendingReduce:
     """This rank's segment of a unit's gradient summed over the group, ready on ``wait()``.
     ``pieces``: where the finished sum lies, in segment order, each with the factor it still needs
-    (tensor, alpha), for :meth:`add_to` to add without first joining them (``finish`` joins them)."""
+    (tensor, alpha), for :meth:`add_to` to add without first joining them; without ``finish``, ``wait()``
+    joins them."""
 
-    def __init__(self, finish, works=(), check=None, replica=None, pieces=None):
-        self._finish, self._works, self._check, self._replica = finish, list(works), check, replica
+    def __init__(self, finish=None, works=(), check=None, replica=None, pieces=None):
+        self._finish = finish if finish is not None else lambda: _joined(pieces)
+        self._works, self._check, self._replica = list(works), check, replica
         self._pieces = pieces if replica is None else None  # a replica sum all-reduces the joined segment
         self._segment = None
 
@@ -131,7 +133,7 @@ class PendingReduce:
             return
         self._land()
         at = 0
-        for piece, alpha in self._pieces():
+        for piece, alpha in self._pieces:
             target[at : at + piece.numel()].add_(piece, alpha=alpha)
             at += piece.numel()
 
@@ -384,19 +386,25 @@ class SegmentComm(LevelledCollectives):
 
         device = matrices[0][3].device
         works = self._grouped(self.group, reduce, [(owner, lo, hi) for owner, lo, hi, _ in matrices], device)
-        link, elsize, m = (0, 0), matrices[0][3].element_size(), layout.matrix_numel
-        for owner, lo, hi in owner_parts(layout):
-            link = add(link, reduce_link((hi - lo) * elsize, self.rank, owner, self.world))
         pieces = [(g, scale) for owner, _, _, g in matrices if owner == self.rank]
         if layout.tail_numel:
-            route = self.route(layout)
+            route, m = self.route(layout), layout.matrix_numel
             tail, out_tail = self.pack_grads(layout, grads, dtype, scale, m), self._buffer(route.slice, dtype, device)
             works.append(reduce_scatter_single(out_tail, tail, group=self.group, async_op=True))
-            link = add(link, slices_link(route.slice * elsize, self.world))
             t0, t1 = layout.tail_range(self.rank)
             pieces.append((out_tail[: t1 - t0], 1.0))
-        self._charge("reduce", layout.index, REDUCE_OP, link)
-        return PendingReduce(lambda: _joined(pieces), works, check, None, lambda: pieces)
+        self._charge("reduce", layout.index, REDUCE_OP, self._ring_reduce_link(layout, matrices[0][3].element_size()))
+        return PendingReduce(works=works, check=check, pieces=pieces)
+
+    def _ring_reduce_link(self, layout: UnitLayout, elsize: int) -> tuple[int, int]:
+        """(in, out) of this rank in a unit's ``parts`` ring reduction: a reduce per owner part into its
+        owner, then the tail's reduce-scatter."""
+        link = (0, 0)
+        for owner, lo, hi in owner_parts(layout):
+            link = add(link, reduce_link((hi - lo) * elsize, self.rank, owner, self.world))
+        if layout.tail_numel:
+            link = add(link, slices_link(self.route(layout).slice * elsize, self.world))
+        return link
 
     def _direct_matrices(self, layout: UnitLayout, grads: dict, dtype, scale: float):
         """(owner, first, end, flat gradient) of each matrix, in layout order, where
@@ -412,7 +420,7 @@ class SegmentComm(LevelledCollectives):
             g = grads.get(slot.param_name)
             if slot.param is not None or g is None or g.dtype != dtype or g.numel() != slot.numel:
                 return None  # a Q/K/V block, a missing gradient or another dtype: packed
-            if not g.is_contiguous():
+            if not g.is_contiguous():  # reduced in place through a flat view
                 return None
             owner = bisect.bisect_right(layout.matrix_bounds, slot.offset) - 1
             out.append((owner, slot.offset, slot.offset + slot.numel, g.view(-1)))
@@ -426,13 +434,12 @@ class SegmentComm(LevelledCollectives):
         route, replica = self.route(layout), self._replica_sum(layout)
         if self.world == 1:
             own = [(piece, 1.0) for piece in self._own_pieces(layout, packed, route)]
-            return PendingReduce(lambda: _joined(own), replica=replica, pieces=lambda: own)
+            return PendingReduce(replica=replica, pieces=own)
         if algorithm == PARTS and self.reduce_order == "rank":
             return self._chain_reduce(layout, packed, check, replica)
         if algorithm == PADDED:
             works, out = self.padded_reduce(layout, packed, route.slice)
             return PendingReduce(lambda: out[: layout.segment_numel(self.rank)].float(), works, check, replica)
-        link, elsize, parts = (0, 0), packed.element_size(), owner_parts(layout)
         out_tail = self._buffer(route.slice, packed.dtype, packed.device) if layout.tail_numel else None
         if algorithm == TWO_LEVEL:
             works = self.two_level_reduce(layout, packed, out_tail, check)
@@ -441,14 +448,11 @@ class SegmentComm(LevelledCollectives):
         def reduce(lo, hi, owner):
             return dist.reduce(packed[lo:hi], group=self.group, group_dst=owner, async_op=True)
 
-        works = self._owner_calls(reduce, parts, packed.device)
-        for owner, lo, hi in parts:
-            link = add(link, reduce_link((hi - lo) * elsize, self.rank, owner, self.world))
+        works = self._owner_calls(reduce, owner_parts(layout), packed.device)
         if out_tail is not None:
             m = layout.matrix_numel
             works.append(reduce_scatter_single(out_tail, packed[m:], group=self.group, async_op=True))
-            link = add(link, slices_link(route.slice * elsize, self.world))
-        self._charge("reduce", layout.index, REDUCE_OP, link)
+        self._charge("reduce", layout.index, REDUCE_OP, self._ring_reduce_link(layout, packed.element_size()))
 
         return self._pending_parts(layout, packed, out_tail, works, check, replica)
 
@@ -457,9 +461,8 @@ class SegmentComm(LevelledCollectives):
         ``out_tail``: those two pieces, joined in fp32 by ``wait()``."""
         m0, m1 = layout.matrix_range(self.rank)
         t = layout.tail_range(self.rank)
-        pieces = [packed[m0:m1]] + ([out_tail[: t[1] - t[0]]] if out_tail is not None else [])
-        pieces = [(piece, 1.0) for piece in pieces]
-        return PendingReduce(lambda: _joined(pieces), works, check, replica, lambda: pieces)
+        pieces = [(packed[m0:m1], 1.0)] + ([(out_tail[: t[1] - t[0]], 1.0)] if out_tail is not None else [])
+        return PendingReduce(works=works, check=check, replica=replica, pieces=pieces)
 
     def _own_pieces(self, layout: UnitLayout, packed: torch.Tensor, route: _Route) -> list[torch.Tensor]:
         """One rank's whole segment of ``packed``: its matrix part and its tail slice."""
